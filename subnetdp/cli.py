@@ -1,0 +1,96 @@
+"""``subnetdp`` command line: train, plugins."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from typing import Sequence
+
+from subnetdp.core.errors import SubnetdpError
+
+
+def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The optional leading recipe, then ``key=value`` overrides."""
+    recipe = None
+    rest = list(args)
+    if rest and "=" not in rest[0]:
+        recipe = rest.pop(0)
+    for item in rest:
+        if "=" not in item:
+            raise SubnetdpError(f"'{item}' is not a key=value override (a recipe may only come first)")
+    return recipe, rest
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from subnetdp.core.config import compose, default_run_name
+    from subnetdp.core.plugins import PluginManager
+    from subnetdp.launchers import detect
+
+    recipe, overrides = _split_args(ns.args)
+    pm = PluginManager()
+    cfg = compose(recipe, overrides, pm.registries)
+    env = detect()
+    nproc = int(cfg.launch.nproc)
+    if env.launcher == "none" and nproc > 1:
+        from subnetdp.core.loop import preflight
+        from subnetdp.launchers.local import launch_local
+
+        # Fail on a bad plan here, before any worker or process group exists.
+        preflight(cfg, nproc, pm)
+        if not cfg.run.name:
+            overrides.append(f"run.name={default_run_name(cfg, nproc)}{time.strftime('-%Y%m%d-%H%M%S')}")
+        argv = ["train"] + ([recipe] if recipe else []) + overrides
+        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
+        return launch_local(nproc, argv)
+    from subnetdp.core.loop import train
+
+    train(cfg, env, pm)
+    return 0
+
+
+def cmd_plugins(ns: argparse.Namespace) -> int:
+    from subnetdp.core.plugins import PluginManager, format_table
+
+    pm = PluginManager()
+    rows = pm.describe()
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows, ["name", "kind", "package", "version", "plugin", "hooks"]))
+        if pm.disabled:
+            print(f"\ndisabled: {', '.join(pm.disabled)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="subnetdp", description="Subnetwork Data Parallelism for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("train", help="one training run",
+                       description="Train with SDP. Under torchrun, rank and world size come from the "
+                                   "environment; started plainly with launch.nproc=N (N > 1) it starts N "
+                                   "local workers itself.")
+    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
+                   help="a recipe file or built-in recipe name, then config overrides")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("plugins", help="list installed plugins",
+                       description="List every registered plugin: name, kind, package, version, hooks.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plugins)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    warnings.simplefilter("default", UserWarning)
+    try:
+        return int(ns.func(ns) or 0)
+    except SubnetdpError as e:
+        print(f"subnetdp: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""Configuration: OmegaConf structured schemas, composition and validation with clear errors.
+
+Composition, lowest first: each selected plugin's ``Config`` defaults, its file
+``configs/<group>/<name>.yaml``, ``configs/defaults.yaml``, the recipe, then ``key=value``
+overrides. Everything here runs before any process group exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from subnetdp.core.errors import ConfigError, suggest
+
+PLUGIN_GROUPS = ("model", "masker", "comm", "data")
+
+
+@dataclass
+class SyncConfig:
+    bucket_cap_mb: float = 25.0
+    max_groups: int = 64
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 5e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    clip_grad_norm: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 32
+    grad_accum: int = 1
+    precision: str = "fp32"
+    device: str = "auto"
+    log_every: int = 10
+    memory_step: int = 2
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    batches: int = 0
+    batch_size: int = 256
+    bn_recalibrate_batches: int = 20
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int = 1
+    threads_per_rank: int = 0
+
+
+@dataclass
+class RunDirConfig:
+    dir: str = "runs"
+    name: str = ""
+    tensorboard: bool = True
+
+
+@dataclass
+class RunConfig:
+    """The non-plugin sections. Plugin groups (``model``, ``masker``, ``comm``, ``data``) are
+    mounted from the selected plugin's ``Config`` at composition time."""
+
+    seed: int = 0
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    run: RunDirConfig = field(default_factory=RunDirConfig)
+
+
+CHOICES = {
+    "masker.granularity": ("block",),
+    "masker.regime": ("forward",),
+    "optim.name": ("sgd", "adamw", "adam"),
+    "optim.schedule": ("cosine", "constant"),
+    "train.precision": ("fp32",),
+    "train.device": ("auto", "cpu", "cuda"),
+}
+
+
+def config_root() -> Path:
+    """The ``configs`` folder: inside an installed wheel, else at the repository root."""
+    here = Path(__file__).resolve().parent.parent
+    packaged = here / "_configs"
+    return packaged if packaged.is_dir() else here.parent / "configs"
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A recipe path, or a bare name looked up in ``configs/recipes``."""
+    p = Path(recipe)
+    if p.is_file():
+        return p
+    candidate = config_root() / "recipes" / (recipe if recipe.endswith(".yaml") else f"{recipe}.yaml")
+    if candidate.is_file():
+        return candidate
+    known = sorted(f.stem for f in (config_root() / "recipes").glob("*.yaml"))
+    raise ConfigError("recipe", recipe, f"no such file; built-in recipes: {', '.join(known)}"
+                      + suggest(p.stem, known))
+
+
+def _load_yaml(path: Path, what: str) -> DictConfig:
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # a YAML syntax error, reported with the file
+        raise ConfigError(what, str(path), f"cannot be parsed: {e}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(what, str(path), "must hold a mapping of config keys")
+    return cfg
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    """``key=value`` strings into a config; anything else is an error naming the bad item."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError("override", item, "is not of the form key=value",
+                              "write e.g. masker.coverage=0.5")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError("override", " ".join(overrides), f"cannot be parsed: {e}") from None
+
+
+def _shown(layer: DictConfig, key: Any) -> Any:
+    """A value for an error message: containers are shown as ``{...}``."""
+    node = layer._get_node(key)
+    if isinstance(node, (DictConfig, ListConfig)):
+        return "{...}"
+    return node._value() if node is not None else None
+
+
+def _check_keys(layer: Any, schema: Any, prefix: str, source: str) -> None:
+    """Every key in ``layer`` must exist in ``schema``: else a ConfigError with close matches."""
+    if not isinstance(layer, DictConfig):
+        return
+    for key in layer.keys():
+        full = f"{prefix}{key}"
+        if not isinstance(schema, DictConfig) or key not in schema.keys():
+            valid = sorted(schema.keys()) if isinstance(schema, DictConfig) else []
+            raise ConfigError(full, _shown(layer, key),
+                              f"unknown key (from {source}); valid keys here: {', '.join(map(str, valid))}"
+                              + suggest(str(key), map(str, valid)))
+        child = schema._get_node(key)
+        sub = layer._get_node(key)
+        if isinstance(sub, DictConfig) and isinstance(child, DictConfig):
+            _check_keys(sub, child, f"{full}.", source)
+
+
+def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictConfig:
+    if layer is None:
+        return base
+    _check_keys(layer, base, prefix, source)
+    try:
+        return OmegaConf.merge(base, layer)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = f"{prefix}{e.full_key}" if getattr(e, "full_key", None) else prefix.rstrip(".")
+        value = OmegaConf.select(layer, str(e.full_key)) if getattr(e, "full_key", None) else None
+        msg = str(getattr(e, "msg", e)).splitlines()[0]
+        raise ConfigError(key, value, f"wrong type ({source}): {msg}") from None
+
+
+def compose(recipe: str | None = None, overrides: Sequence[str] = (),
+            registries: dict[str, Any] | None = None) -> DictConfig:
+    """Build the resolved, validated run config.
+
+    Args:
+        recipe: a recipe file or built-in recipe name, or None.
+        overrides: ``key=value`` strings, applied last.
+        registries: kind -> :class:`~subnetdp.core.plugins.Registry`; built from entry points if None.
+    """
+    if registries is None:
+        from subnetdp.core.plugins import PluginManager
+        registries = PluginManager().registries
+    layers: list[tuple[DictConfig, str]] = [(_load_yaml(config_root() / "defaults.yaml", "defaults"), "defaults.yaml")]
+    if recipe:
+        path = resolve_recipe(recipe)
+        layers.append((_load_yaml(path, "recipe"), f"recipe {path.name}"))
+    layers.append((parse_overrides(overrides), "command line"))
+
+    top = OmegaConf.structured(RunConfig)
+    for layer, source in layers:
+        for key in layer.keys():
+            if key not in top.keys() and key not in PLUGIN_GROUPS:
+                valid = sorted(list(top.keys()) + list(PLUGIN_GROUPS))
+                raise ConfigError(str(key), _shown(layer, key),
+                                  f"unknown top-level key (from {source}); valid: {', '.join(valid)}"
+                                  + suggest(str(key), valid))
+    cfg = top
+    for layer, source in layers:
+        rest = OmegaConf.masked_copy(layer, [k for k in layer.keys() if k not in PLUGIN_GROUPS])
+        cfg = _merge(cfg, rest, source)
+
+    for group in PLUGIN_GROUPS:
+        name = None
+        for layer, _ in layers:
+            sel = OmegaConf.select(layer, f"{group}.name", default=None)
+            if sel is not None:
+                name = sel
+        if name is None:
+            raise ConfigError(f"{group}.name", None, "no plugin selected", f"set {group}.name")
+        cls = registries[group].get(str(name), f"{group}.name")
+        node = OmegaConf.structured(cls.Config)
+        plugin_file = getattr(cls, "config_file", None) or config_root() / group / f"{name}.yaml"
+        if Path(plugin_file).is_file():
+            node = _merge(node, _load_yaml(Path(plugin_file), f"{group}.name"), f"{Path(plugin_file).name}", f"{group}.")
+        for layer, source in layers:
+            sub = layer.get(group)
+            if isinstance(sub, DictConfig):
+                node = _merge(node, sub, source, f"{group}.")
+            elif sub is not None:
+                raise ConfigError(group, sub, f"must be a mapping (from {source})", f"write {group}.name=...")
+        node.name = str(name)
+        OmegaConf.set_struct(cfg, False)
+        cfg[group] = node
+        OmegaConf.set_struct(cfg, True)
+    validate(cfg, registries)
+    return cfg
+
+
+def _check_choice(cfg: DictConfig, key: str, choices: Iterable[str]) -> None:
+    value = OmegaConf.select(cfg, key)
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(key, value, f"valid choices: {', '.join(choices)}" + suggest(str(value), choices))
+
+
+def _check_range(cfg: DictConfig, key: str, lo: float | None, hi: float | None, lo_open: bool = False,
+                 fix: str = "") -> None:
+    value = OmegaConf.select(cfg, key)
+    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi)
+    if bad:
+        lo_s = "" if lo is None else ("(" if lo_open else "[") + str(lo)
+        hi_s = "" if hi is None else str(hi) + "]"
+        raise ConfigError(key, value, f"must be in {lo_s}, {hi_s}".replace(" ,", ",") if lo is not None and hi is not None
+                          else f"must be {'>' if lo_open else '>='} {lo}", fix)
+
+
+def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """Range and choice checks, then each selected plugin's own ``validate_config``."""
+    for key, choices in CHOICES.items():
+        _check_choice(cfg, key, choices)
+    _check_range(cfg, "masker.coverage", 0.0, 1.0, lo_open=True, fix="use a coverage such as 0.5 (1 = plain DDP)")
+    _check_range(cfg, "masker.min_owners", 1, None)
+    _check_range(cfg, "train.steps", 1, None)
+    _check_range(cfg, "train.batch_size", 1, None)
+    _check_range(cfg, "train.grad_accum", 1, None)
+    _check_range(cfg, "train.log_every", 1, None)
+    _check_range(cfg, "optim.lr", 0.0, None)
+    _check_range(cfg, "sync.bucket_cap_mb", 0.0, None, lo_open=True)
+    _check_range(cfg, "sync.max_groups", 1, None)
+    _check_range(cfg, "launch.nproc", 1, None)
+    _check_range(cfg, "launch.threads_per_rank", 0, None)
+    adapter = registries["model"].get(cfg.model.name)
+    if cfg.masker.granularity not in adapter.granularities:
+        raise ConfigError("masker.granularity", cfg.masker.granularity,
+                          f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
+    for group in PLUGIN_GROUPS:
+        cls = registries[group].get(cfg[group].name)
+        check = getattr(cls, "validate_config", None)
+        if check is not None:
+            check(cfg[group], cfg)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def digest(cfg: DictConfig, ignore: Sequence[str] = ("launch", "run")) -> str:
+    """Hash of the config without per-process keys, compared across ranks."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(c, dict)
+    for k in ignore:
+        c.pop(k, None)
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(c)).encode()).hexdigest()[:16]
+
+
+def default_run_name(cfg: DictConfig, world_size: int) -> str:
+    """A run name from what distinguishes runs; the caller adds a timestamp once, on rank 0."""
+    variant = getattr(cfg.model, "variant", "") or cfg.model.name
+    return f"{variant}-{cfg.masker.granularity}-c{cfg.masker.coverage:g}-w{world_size}"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

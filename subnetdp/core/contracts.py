@@ -1,0 +1,419 @@
+"""The contracts between the core and its plugins: data types and base classes.
+
+A plugin class subclasses one of :class:`Masker`, :class:`Communicator`, :class:`ModelAdapter` or
+:class:`DataModule` and carries a nested ``Config`` dataclass, its config schema, which is mounted
+under the plugin's group key (``masker``, ``comm``, ``model``, ``data``) when it is selected.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from subnetdp.core.plan import MaskPlan
+
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """A piece of one global tensor: the whole tensor (``dim`` None) or ``[start, stop)`` along ``dim``."""
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The smallest thing a mask keeps or drops.
+
+    Attributes:
+        id: position in the partition (units are numbered 0..K-1 in forward order).
+        name: human-readable name, e.g. ``layer2.1``.
+        group: the group the masker draws from in equal measure (``layer2`` for a ResNet stage).
+        cost: forward FLOPs per sample of the unit (measured with ``FlopCounterMode``).
+        slices: the parameter pieces the unit consists of.
+        buffers: the buffer pieces (BatchNorm statistics) that belong to the unit.
+    """
+
+    id: int
+    name: str
+    group: str
+    cost: float
+    slices: tuple[TensorSlice, ...]
+    buffers: tuple[TensorSlice, ...] = ()
+
+
+@dataclass
+class Partition:
+    """How a full model divides into units and shared tensors.
+
+    Attributes:
+        granularity: ``block`` or ``neuron``.
+        units: the units in forward order; ``units[i].id == i``.
+        shared: global names of the parameters outside every unit (averaged over all ranks).
+        shared_buffers: global names of buffers outside every unit.
+        shapes: global name -> shape, for every parameter and buffer of the full model.
+        dtypes: global name -> dtype, likewise.
+    """
+
+    granularity: str
+    units: list[Unit]
+    shared: list[str]
+    shared_buffers: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, "torch.dtype"] = field(default_factory=dict)
+
+    @staticmethod
+    def tensor_info(model: "nn.Module") -> tuple[dict[str, tuple[int, ...]], dict[str, "torch.dtype"]]:
+        """Shapes and dtypes of every parameter and buffer of ``model``, in module order."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, "torch.dtype"] = {}
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            shapes[name] = tuple(t.shape)
+            dtypes[name] = t.dtype
+        return shapes, dtypes
+
+    def unit_numel(self, unit: Unit) -> int:
+        """Number of parameter elements in ``unit``."""
+        total = 0
+        for s in unit.slices:
+            shape = self.shapes[s.name]
+            n = 1
+            for d in shape:
+                n *= d
+            if s.dim is not None:
+                n = n // shape[s.dim] * (s.stop - s.start)
+            total += n
+        return total
+
+    def shared_numel(self) -> int:
+        total = 0
+        for name in self.shared:
+            n = 1
+            for d in self.shapes[name]:
+                n *= d
+            total += n
+        return total
+
+    def groups(self) -> dict[str, list[Unit]]:
+        """Units by group, groups in order of first appearance."""
+        out: dict[str, list[Unit]] = {}
+        for u in self.units:
+            out.setdefault(u.group, []).append(u)
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where part of a local tensor lives in the full model.
+
+    ``local[local_start:local_stop]`` along ``dim`` equals ``global_name[global_start:global_stop]``;
+    ``dim`` None means the whole tensor maps to the whole global tensor.
+    """
+
+    global_name: str
+    dim: int | None = None
+    global_start: int = 0
+    global_stop: int = 0
+    local_start: int = 0
+    local_stop: int = 0
+
+
+@dataclass
+class ParamMap:
+    """For each tensor of a materialised subnetwork, the pieces of the full model it holds.
+
+    Attributes:
+        pieces: local name -> pieces (owned units sit in ascending id order in the local layout).
+        unit_of: local name -> id of the unit the tensor belongs to, or None for a shared tensor.
+    """
+
+    pieces: dict[str, list[Piece]]
+    unit_of: dict[str, int | None]
+
+    @classmethod
+    def identity(cls, names: Iterable[str], unit_of: dict[str, int | None]) -> "ParamMap":
+        """A map in which every local tensor is the global tensor of the same name."""
+        names = list(names)
+        return cls({n: [Piece(n)] for n in names}, {n: unit_of.get(n) for n in names})
+
+    def global_names(self) -> list[str]:
+        return [p.global_name for ps in self.pieces.values() for p in ps]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the model needs to know about the data before it is built."""
+
+    in_channels: int = 0
+    image_size: int = 0
+    num_classes: int = 0
+    vocab_size: int = 0
+    seq_len: int = 0
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits: filled by :mod:`subnetdp.launchers` from the environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"
+
+
+# --------------------------------------------------------------------------- plugin bases
+
+
+@dataclass
+class PluginConfig:
+    """Every plugin's ``Config`` subclasses this; ``name`` selects the plugin."""
+
+    name: str = "???"
+
+
+class Plugin:
+    """Common base: a registered name and a config schema."""
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = PluginConfig
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+
+@dataclass
+class MaskerConfig(PluginConfig):
+    """Keys every masker shares (``masker.*``); a masker's own ``Config`` may add more."""
+
+    granularity: str = "block"
+    regime: str = "forward"
+    coverage: float = 0.5
+    min_owners: int = 1
+    group_by: str = "auto"
+    rescale: Optional[bool] = None
+
+
+@dataclass
+class CommConfig(PluginConfig):
+    """Keys every communicator shares (``comm.*``)."""
+
+    init_method: str = "env://"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class DataConfig(PluginConfig):
+    """Keys every data module shares (``data.*``)."""
+
+    root: str = ""
+    image_size: int = 0
+
+
+@dataclass
+class ModelConfig(PluginConfig):
+    """Keys every model adapter shares (``model.*``)."""
+
+    variant: str = ""
+
+
+class Masker(Plugin, abc.ABC):
+    """Chooses which units every rank owns. Must be a pure function of its arguments."""
+
+    Config: ClassVar[type] = MaskerConfig
+
+    @abc.abstractmethod
+    def plan(self, partition: Partition, world_size: int, seed: int) -> "MaskPlan":
+        """Return the plan: for every rank the sorted ids of the units it owns."""
+
+
+class Handle(abc.ABC):
+    """An in-flight collective."""
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+
+class DoneHandle(Handle):
+    """A collective that completed synchronously."""
+
+    def wait(self) -> None:
+        return None
+
+
+@dataclass
+class ByteCounter:
+    """Payload bytes handed to collectives, per group (sorted rank tuple)."""
+
+    by_group: dict[tuple[int, ...], int] = field(default_factory=dict)
+    calls: int = 0
+
+    def add(self, group: tuple[int, ...], nbytes: int) -> None:
+        self.by_group[group] = self.by_group.get(group, 0) + nbytes
+        self.calls += 1
+
+    def total(self) -> int:
+        return sum(self.by_group.values())
+
+    def ring_estimate(self) -> float:
+        """Bytes a ring all-reduce puts on the wire per rank: ``2 (k-1)/k`` times the payload."""
+        return sum(2 * (len(g) - 1) / len(g) * b for g, b in self.by_group.items() if len(g) > 1)
+
+    def reset(self) -> None:
+        self.by_group.clear()
+        self.calls = 0
+
+
+class Communicator(Plugin, abc.ABC):
+    """Collectives over the world and over owner groups.
+
+    ``init`` is the only place a process group is created; everything before it (config, plan
+    validation) runs without one. Groups are identified by the sorted tuple of their ranks.
+    """
+
+    Config: ClassVar[type] = CommConfig
+
+    def __init__(self, cfg: Any, env: LaunchEnv) -> None:
+        super().__init__(cfg)
+        self.env = env
+        self.bytes = ByteCounter()
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world(self) -> tuple[int, ...]:
+        return tuple(range(self.world_size))
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> "torch.device":
+        """The device this rank computes on."""
+
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Create the world process group. Collective: every rank calls it."""
+
+    def check_environment(self) -> None:
+        """Raise :class:`ConfigError` if this backend cannot run here (called before ``init``)."""
+
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> None:
+        """Create the group of ``ranks``. Collective: every rank calls it, in the same order."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: "torch.Tensor", group: Sequence[int], async_op: bool = False) -> Handle:
+        """Sum ``tensor`` in place over ``group`` (sorted ranks; the caller must be a member)."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: "torch.Tensor", src: int, group: Sequence[int] | None = None) -> None:
+        """Copy ``tensor`` from ``src`` to every member of ``group`` (default: the world)."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order. Collective over the world."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    def shutdown(self) -> None:
+        """Destroy the process groups."""
+
+
+class ModelAdapter(Plugin, abc.ABC):
+    """Knows one model family: how to build it, cut it into units and materialise subnetworks."""
+
+    Config: ClassVar[type] = ModelConfig
+    granularities: ClassVar[tuple[str, ...]] = ("block",)
+
+    @abc.abstractmethod
+    def build(self, spec: DataSpec) -> "nn.Module":
+        """Build the full model on CPU (the caller seeds the RNG first)."""
+
+    @abc.abstractmethod
+    def partition(self, model: "nn.Module", granularity: str, spec: DataSpec) -> Partition:
+        """Cut the full model into units and shared tensors."""
+
+    @abc.abstractmethod
+    def materialize(self, model: "nn.Module", owned: Sequence[int], partition: Partition) -> tuple["nn.Module", ParamMap]:
+        """Turn the full model into the subnetwork holding only ``owned`` units.
+
+        Takes ownership of ``model``: the returned module may reuse (and the caller must not use)
+        its submodules. Tensors of dropped units are freed when the caller drops ``model``.
+        """
+
+    def blocks(self, submodel: "nn.Module") -> list["nn.Module"]:
+        """The materialised blocks, in forward order (for activation checkpointing and FSDP)."""
+        return []
+
+    @abc.abstractmethod
+    def loss(self, output: Any, batch: Any) -> "torch.Tensor": ...
+
+    @abc.abstractmethod
+    def metrics(self, outputs: Sequence[Any], batches: Sequence[Any]) -> dict[str, float]:
+        """Eval metrics over several batches (e.g. ``accuracy`` and ``loss``)."""
+
+    def inputs(self, batch: Any) -> Any:
+        """The part of a batch the model's forward takes."""
+        return batch[0]
+
+
+class DataModule(Plugin, abc.ABC):
+    """A dataset: its spec and deterministic, resumable, rank-sharded loaders."""
+
+    Config: ClassVar[type] = DataConfig
+
+    def __init__(self, cfg: Any, seed: int = 0) -> None:
+        super().__init__(cfg)
+        self.seed = seed
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` if the data is missing (called before any process group)."""
+
+    @abc.abstractmethod
+    def spec(self) -> DataSpec: ...
+
+    @abc.abstractmethod
+    def train_loader(self, rank: int, world_size: int, batch_size: int) -> "ResumableLoader": ...
+
+    @abc.abstractmethod
+    def eval_loader(self, batch_size: int) -> Iterable[Any]:
+        """The held-out split, whole, in a fixed order (evaluated on rank 0)."""
+
+
+class ResumableLoader(abc.ABC):
+    """An endless iterator over training batches with a position that can be saved and restored."""
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[Any]: ...
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, int]: ...
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+
+def config_fields(cfg_cls: type) -> list[str]:
+    """The field names of a plugin ``Config`` dataclass."""
+    return [f.name for f in dataclasses.fields(cfg_cls)]

@@ -1,0 +1,306 @@
+"""The training loop: set up a rank's subnetwork, train it, evaluate the union model, summarise."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from subnetdp.core import config as config_mod
+from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
+                                     ParamMap, Partition)
+from subnetdp.core.errors import ConfigError, RankMismatchError
+from subnetdp.core.metrics import (RunLogger, TensorMemoryTracker, live_state_bytes, plan_figure,
+                                   training_state_tensors, write_json)
+from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.core.plan import MaskPlan, make_plan
+from subnetdp.core.plugins import PluginManager
+from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.core.union import assemble_union, evaluate
+
+
+@dataclass
+class Run:
+    """Everything a running (or finished) training run holds; handed to lifecycle hooks."""
+
+    cfg: DictConfig
+    env: LaunchEnv
+    comm: Communicator
+    adapter: ModelAdapter
+    data: DataModule
+    spec: DataSpec
+    partition: Partition
+    plan: MaskPlan
+    model: torch.nn.Module
+    pmap: ParamMap
+    run_dir: Path
+    optimizer: torch.optim.Optimizer | None = None
+    averager: OwnerGroupAverager | None = None
+    step: int = 0
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+
+def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
+    """Torch's intra-op thread count: ``launch.threads_per_rank``, or the cores shared evenly."""
+    n = int(cfg.launch.threads_per_rank) or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+    torch.set_num_threads(n)
+    return n
+
+
+def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
+    """Data spec, full model, partition and validated plan: all without a process group."""
+    regs = pm.registries
+    data: DataModule = regs["data"].get(cfg.data.name)(cfg.data, seed=int(cfg.seed))
+    data.check()
+    spec = data.spec()
+    adapter: ModelAdapter = regs["model"].get(cfg.model.name)(cfg.model)
+    masker: Masker = regs["masker"].get(cfg.masker.name)(cfg.masker)
+    # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
+    torch.manual_seed(int(cfg.seed))
+    full = adapter.build(spec)
+    partition = adapter.partition(full, str(cfg.masker.granularity), spec)
+    plan = make_plan(masker, partition, world_size, int(cfg.seed), int(cfg.masker.min_owners))
+    return data, spec, adapter, full, partition, plan
+
+
+def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
+    """Validate data and plan for ``world_size`` ranks before any worker is started."""
+    return _build_plan(cfg, world_size, pm)[-1]
+
+
+def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
+    """Build everything a rank needs. Bad input fails before the process group exists."""
+    comm: Communicator = pm.registries["comm"].get(cfg.comm.name)(cfg.comm, env)
+    comm.check_environment()
+    if cfg.train.device == "cuda" and comm.device.type != "cuda":
+        raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
+                          "use comm.name=nccl for GPUs")
+    data, spec, adapter, full, partition, plan = _build_plan(cfg, env.world_size, pm)
+
+    comm.init()  # collective: the first point where every rank meets.
+    check_ranks_agree(comm, plan, cfg, pm)
+    run_dir = resolve_run_dir(cfg, comm)
+    model, pmap = adapter.materialize(full, plan.owned[env.rank], partition)
+    del full  # frees the tensors of units this rank does not own
+    model.to(comm.device)
+    return Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+
+
+def check_ranks_agree(comm: Communicator, plan: MaskPlan, cfg: DictConfig, pm: PluginManager) -> None:
+    """Stop on every rank if any rank holds a different plan, config or plugin set."""
+    mine = {"plan": plan.digest(), "config": config_mod.digest(cfg), "plugins": pm.versions()}
+    # collective: every rank reaches this once, right after the process group exists.
+    everyone = comm.all_gather_object(mine)
+    for r, theirs in enumerate(everyone):
+        for key in ("plan", "config", "plugins"):
+            if theirs[key] != everyone[0][key]:
+                raise RankMismatchError(
+                    f"rank {r} has a different {key} than rank 0 ({theirs[key]} vs {everyone[0][key]}): "
+                    "start every rank with the same recipe, overrides and installed plugins")
+
+
+def resolve_run_dir(cfg: DictConfig, comm: Communicator) -> Path:
+    """``run.dir/run.name``; a missing name is made once on rank 0 (with a timestamp) and shared."""
+    name = str(cfg.run.name)
+    if not name:
+        name = config_mod.default_run_name(cfg, comm.world_size) + time.strftime("-%Y%m%d-%H%M%S")
+        # collective: rank 0's name wins, so lazily made names never differ by rank.
+        name = comm.all_gather_object(name)[0]
+        OmegaConf.update(cfg, "run.name", name)
+    run_dir = Path(str(cfg.run.dir)) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    return tuple(t.to(device, non_blocking=True) for t in batch) if device.type != "cpu" else batch
+
+
+def _peak_memory(device: torch.device) -> int:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | None = None) -> Run:
+    """Run one training job on this rank; returns the finished :class:`Run`."""
+    from subnetdp.launchers import detect
+
+    env = env or detect()
+    pm = pm or PluginManager()
+    set_threads(cfg, env)
+    run = setup(cfg, env, pm)
+    try:
+        _train(run, pm)
+    finally:
+        run.comm.shutdown()
+    return run
+
+
+def _train(run: Run, pm: PluginManager) -> None:
+    cfg, comm, model, adapter = run.cfg, run.comm, run.model, run.adapter
+    rank, device, steps = run.rank, comm.device, int(cfg.train.steps)
+    run.optimizer = optimizer = build_optimizer(cfg.optim, model.parameters())
+    scheduler = build_schedule(cfg.optim, optimizer, steps)
+    run.averager = averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, comm,
+                                                 float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+    log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
+    _write_start(run, log)
+    batches = iter(run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size)))
+    accum = int(cfg.train.grad_accum)
+    samples_per_step = comm.world_size * int(cfg.train.batch_size) * accum
+    pm.hook.subnetdp_on_run_start(run=run)
+    bar = _progress(cfg, rank, steps)
+    loss_sum, loss_n, step_times, sync_bytes, wire = 0.0, 0, [], 0, 0.0
+    peak_cpu = 0
+    model.train()
+    for step in range(1, steps + 1):
+        measure = device.type == "cpu" and step == min(int(cfg.train.memory_step), steps)
+        tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer)))
+                   if measure else contextlib.nullcontext())
+        t0 = time.perf_counter()
+        with tracker:
+            averager.prepare()
+            before, before_wire = comm.bytes.total(), comm.bytes.ring_estimate()
+            step_loss = torch.zeros((), device=device)
+            for micro in range(accum):
+                batch = _to_device(next(batches), device)
+                with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                    loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+                    loss.backward()
+                step_loss += loss.detach()
+            averager.finish()  # collective: owner groups average this step's gradients
+            sync_bytes += comm.bytes.total() - before
+            wire += comm.bytes.ring_estimate() - before_wire
+            log_step = step % int(cfg.train.log_every) == 0 or step == steps
+            clip = float(cfg.optim.clip_grad_norm)
+            grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
+            optimizer.step()
+            scheduler.step()
+        step_times.append(time.perf_counter() - t0)
+        if measure:
+            peak_cpu = tracker.peak
+        loss_sum += float(step_loss)
+        loss_n += 1
+        run.step = step
+        metrics = {"loss": float(step_loss), "lr": optimizer.param_groups[0]["lr"], "step_time": step_times[-1]}
+        log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": step_times[-1]}, per_rank=True)
+        if log_step:
+            # collective: every rank reaches this on log steps to average the loss over the world.
+            mean = torch.tensor([loss_sum, float(loss_n)], dtype=torch.float64, device=device)
+            comm.all_reduce(mean, comm.world).wait()
+            train_loss = float(mean[0] / mean[1])
+            loss_sum, loss_n = 0.0, 0
+            window = step_times[-int(cfg.train.log_every):]
+            step_time = sum(window) / len(window)
+            record = {"step": step, "train/loss": train_loss, "train/lr": metrics["lr"],
+                      "train/grad_norm": grad_norm, "train/step_time_s": step_time,
+                      "train/samples_per_s": samples_per_step / step_time}
+            log.scalars(step, {k: v for k, v in record.items() if k != "step"})
+            log.jsonl(record)
+            log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / step,
+                               "rank/wire_bytes_per_step": wire / step,
+                               "rank/peak_memory_bytes": peak_cpu or _peak_memory(device)}, per_rank=True)
+            _progress_line(bar, record)
+        eval_every = int(cfg.eval.every)
+        if step == steps or (eval_every and step % eval_every == 0):
+            run.eval_metrics = _evaluate(run, log, step)
+            pm.hook.subnetdp_on_eval_end(run=run, step=step, metrics=run.eval_metrics)
+        pm.hook.subnetdp_on_step_end(run=run, step=step, metrics=metrics)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    run.summary = _summarise(run, step_times, sync_bytes / steps, wire / steps,
+                             peak_cpu or _peak_memory(device))
+    log.close()
+    pm.hook.subnetdp_on_run_end(run=run)
+
+
+def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
+    """Assemble the union model on rank 0 and evaluate it there. Collective."""
+    saved = dict(run.comm.bytes.by_group)
+    union = assemble_union(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
+                           run.model, run.pmap, run.comm)
+    run.comm.bytes.by_group = saved  # evaluation traffic is not a training step's
+    if union is None:
+        return {}
+    metrics = evaluate(union, run.adapter, run.data, run.cfg)
+    log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+    log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+    return metrics
+
+
+def _write_start(run: Run, log: RunLogger) -> None:
+    """Config, plan and plan figure into the run directory and TensorBoard (rank 0)."""
+    if run.rank != 0:
+        return
+    yaml = config_mod.to_yaml(run.cfg)
+    (run.run_dir / "config.yaml").write_text(yaml)
+    plan_dict = run.plan.to_dict(run.partition)
+    write_json(run.run_dir / "plan.json", plan_dict)
+    log.text("config", "```\n" + yaml + "\n```")
+    names = [u.name for u in run.partition.units]
+    log.figure("plan/ownership", plan_figure(run.plan.as_image(), names, run.plan.owner_counts()))
+    log.image("plan/ownership_matrix", run.plan.as_image())
+    log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"]})
+    for u, k in enumerate(run.plan.owner_counts()):
+        log.scalars(u, {"plan/owner_count_by_unit": k})
+
+
+def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_per_step: float,
+               peak: int) -> dict[str, Any]:
+    params_held = sum(p.numel() for p in run.model.parameters())
+    warm = step_times[1:] or step_times
+    mine = {"rank": run.rank, "params_held": params_held, "peak_memory_bytes": peak,
+            "memory_measured_by": "cuda allocator" if run.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
+            "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
+            "step_time_s": sum(warm) / len(warm), "owned_units": run.plan.owned[run.rank]}
+    # collective: every rank reaches this once, after the last step.
+    ranks = run.comm.all_gather_object(mine)
+    summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
+               "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
+               "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
+               "ranks": ranks}
+    if run.rank == 0:
+        write_json(run.run_dir / "summary.json", summary)
+        print(format_summary(summary, run.run_dir), flush=True)
+    return summary
+
+
+def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
+    lines = [f"\nrun directory: {run_dir}"]
+    if summary["eval"]:
+        lines.append("union model: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
+    full = summary["full_model_params"]
+    lines.append(f"{'rank':>4}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
+    for r in summary["ranks"]:
+        lines.append(f"{r['rank']:>4}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
+                     f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  {r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  "
+                     f"{r['step_time_s'] * 1000:>6.0f} ms")
+    return "\n".join(lines)
+
+
+def _progress(cfg: DictConfig, rank: int, steps: int) -> Any:
+    if rank != 0 or not cfg.train.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _progress_line(bar: Any, record: dict[str, Any]) -> None:
+    if bar is None:
+        return
+    bar.set_postfix(loss=f"{record['train/loss']:.4f}")
+    bar.write(f"step {record['step']:>6}  loss {record['train/loss']:.4f}  lr {record['train/lr']:.4g}  "
+              f"{record['train/samples_per_s']:.0f} samples/s  {record['train/step_time_s'] * 1000:.0f} ms/step")

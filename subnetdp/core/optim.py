@@ -1,0 +1,34 @@
+"""Optimizers by name and learning-rate schedules (warm-up, then cosine or constant)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+
+def build_optimizer(cfg: Any, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``torch.optim`` by ``optim.name`` (``sgd``, ``adamw``, ``adam``)."""
+    params = [p for p in params if p.requires_grad]
+    name = str(cfg.name)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=bool(cfg.nesterov),
+                               weight_decay=cfg.weight_decay)
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[name]
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Multiplier of ``optim.lr`` before optimizer step ``step`` (0-based)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, int(cfg.warmup_steps), str(cfg.schedule)))

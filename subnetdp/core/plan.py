@@ -1,0 +1,244 @@
+"""The mask plan: which rank owns which unit, its validation, mixing graph and serialisation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from subnetdp.core.contracts import Partition
+from subnetdp.core.errors import PlanError
+
+
+@dataclass
+class MaskPlan:
+    """For each rank, the sorted ids of the units it owns.
+
+    Attributes:
+        world_size: number of ranks the plan is made for.
+        owned: ``owned[r]`` = sorted unit ids of rank ``r``.
+        num_units: K, the number of units in the partition.
+    """
+
+    world_size: int
+    owned: list[list[int]]
+    num_units: int
+    _owners: list[tuple[int, ...]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.owned = [sorted(int(u) for u in units) for units in self.owned]
+        if len(self.owned) != self.world_size:
+            raise PlanError(f"plan lists {len(self.owned)} ranks for world size {self.world_size}")
+        owners: list[list[int]] = [[] for _ in range(self.num_units)]
+        for r, units in enumerate(self.owned):
+            for u in units:
+                if not 0 <= u < self.num_units:
+                    raise PlanError(f"rank {r} owns unit {u}, but the partition has units 0..{self.num_units - 1}")
+                owners[u].append(r)
+        self._owners = [tuple(o) for o in owners]
+
+    # ---------------------------------------------------------------- queries
+    def owners(self, unit: int) -> tuple[int, ...]:
+        """Sorted ranks that own ``unit``."""
+        return self._owners[unit]
+
+    def k(self, unit: int) -> int:
+        return len(self._owners[unit])
+
+    def owner_sets(self) -> list[tuple[int, ...]]:
+        """Distinct owner sets of the units, sorted; the world set (shared tensors) last."""
+        world = tuple(range(self.world_size))
+        sets = sorted({o for o in self._owners if o and o != world})
+        return sets + [world]
+
+    def owner_counts(self) -> list[int]:
+        return [len(o) for o in self._owners]
+
+    # ---------------------------------------------------------------- validation
+    def validate(self, min_owners: int = 1, names: Sequence[str] | None = None,
+                 hint: Callable[[], str] | None = None) -> None:
+        """Raise :class:`PlanError` naming every unit with fewer than ``min_owners`` owners."""
+        bad = [u for u in range(self.num_units) if self.k(u) < min_owners]
+        if not bad:
+            return
+        label = [names[u] if names else str(u) for u in bad]
+        shown = ", ".join(label[:8]) + (f", ... ({len(label)} in all)" if len(label) > 8 else "")
+        msg = (f"the mask plan leaves {len(bad)} unit(s) with fewer than masker.min_owners={min_owners} "
+               f"owner(s): {shown}")
+        if hint is not None:
+            msg += f"; {hint()}"
+        raise PlanError(msg)
+
+    # ---------------------------------------------------------------- mixing graph
+    def mixing_matrix(self, partition: Partition) -> np.ndarray:
+        """``sum_u |u| A_u / sum_u |u|``; ``A_u`` averages the owners of u and leaves others alone.
+
+        Shared tensors count as one unit owned by every rank.
+        """
+        W = self.world_size
+        total = np.zeros((W, W))
+        weight = 0.0
+        items = [(partition.unit_numel(u), self.owners(u.id)) for u in partition.units]
+        items.append((partition.shared_numel(), tuple(range(W))))
+        for size, owners in items:
+            if size == 0 or not owners:
+                continue
+            A = np.eye(W)
+            idx = np.array(owners)
+            A[np.ix_(idx, idx)] = 1.0 / len(owners)
+            total += size * A
+            weight += size
+        return total / max(weight, 1.0)
+
+    def spectral_gap(self, partition: Partition) -> float:
+        """``1 - lambda_2`` of the mixing matrix (reported, not enforced)."""
+        if self.world_size == 1:
+            return 1.0
+        eig = np.sort(np.linalg.eigvalsh(self.mixing_matrix(partition)))[::-1]
+        return float(1.0 - eig[1])
+
+    def unit_graph_components(self) -> int:
+        """Connected components of the rank graph whose edges join co-owners of a unit."""
+        parent = list(range(self.world_size))
+
+        def find(a: int) -> int:
+            while parent[a] != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            return a
+
+        for owners in self._owners:
+            for r in owners[1:]:
+                parent[find(r)] = find(owners[0])
+        return len({find(r) for r in range(self.world_size)})
+
+    # ---------------------------------------------------------------- coverage
+    def effective_coverage(self, partition: Partition, group_by: str = "auto") -> dict[str, list[float]]:
+        """Per group, each rank's kept fraction ``n_g / K_g``."""
+        out: dict[str, list[float]] = {}
+        for g, members in group_units(partition, group_by).items():
+            ids = set(members)
+            out[g] = [len(ids.intersection(self.owned[r])) / len(ids) for r in range(self.world_size)]
+        return out
+
+    def warn_coverage(self, partition: Partition, requested: float, group_by: str = "auto",
+                      tol: float = 0.05) -> list[str]:
+        """Warn (and return the messages) for groups whose coverage is more than ``tol`` off."""
+        msgs = []
+        groups = group_units(partition, group_by)
+        for g, covs in self.effective_coverage(partition, group_by).items():
+            eff = max(covs)
+            if abs(eff - requested) > tol:
+                k = len(groups[g])
+                msgs.append(f"group {g}: {round(eff * k)} of {k} units kept, effective coverage "
+                            f"{eff:.3f} vs masker.coverage={requested} (set masker.group_by=model to "
+                            f"draw across all groups)")
+        for m in msgs:
+            warnings.warn(m, stacklevel=2)
+        return msgs
+
+    # ---------------------------------------------------------------- serialisation
+    def to_dict(self, partition: Partition | None = None) -> dict:
+        d: dict = {"world_size": self.world_size, "num_units": self.num_units, "owned": self.owned}
+        if partition is not None:
+            d["units"] = [{"id": u.id, "name": u.name, "group": u.group, "cost": u.cost,
+                           "numel": partition.unit_numel(u), "owners": list(self.owners(u.id))}
+                          for u in partition.units]
+            d["shared_numel"] = partition.shared_numel()
+            d["effective_coverage"] = self.effective_coverage(partition)
+            d["spectral_gap"] = self.spectral_gap(partition)
+            d["components"] = self.unit_graph_components()
+            d["params_per_rank"] = self.params_per_rank(partition)
+        d["digest"] = self.digest()
+        return d
+
+    def to_json(self, partition: Partition | None = None) -> str:
+        return json.dumps(self.to_dict(partition), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MaskPlan":
+        plan = cls(int(d["world_size"]), [list(x) for x in d["owned"]], int(d["num_units"]))
+        if "digest" in d and d["digest"] != plan.digest():
+            raise PlanError("plan.json is corrupt: its digest does not match its contents")
+        return plan
+
+    def digest(self) -> str:
+        """A hash that ranks compare to prove they hold the same plan."""
+        payload = json.dumps({"w": self.world_size, "k": self.num_units, "owned": self.owned},
+                             sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def params_per_rank(self, partition: Partition) -> list[int]:
+        shared = partition.shared_numel()
+        sizes = [partition.unit_numel(u) for u in partition.units]
+        return [shared + sum(sizes[u] for u in self.owned[r]) for r in range(self.world_size)]
+
+    def as_image(self) -> np.ndarray:
+        """Ranks x units ownership matrix (1 = owned) as float32, for TensorBoard."""
+        img = np.zeros((self.world_size, self.num_units), dtype=np.float32)
+        for r, units in enumerate(self.owned):
+            img[r, units] = 1.0
+        return img
+
+
+def units_kept(coverage: float, k: int) -> int:
+    """``n_g = max(1, floor(C * K_g + 0.5))``: nearest, halves up."""
+    return max(1, min(k, math.floor(coverage * k + 0.5)))
+
+
+GROUP_BY = ("auto", "model")
+
+
+def group_units(partition: Partition, group_by: str = "auto") -> dict[str, list[int]]:
+    """Unit ids by the groups a masker draws from in equal measure (group name -> ids).
+
+    ``auto`` keeps the adapter's groups (a ResNet stage, a LLaMA model); ``model`` puts every unit
+    into one group (for models whose groups are too small to express the coverage).
+    """
+    if group_by == "model":
+        return {"model": [u.id for u in partition.units]}
+    return {g: [u.id for u in units] for g, units in partition.groups().items()}
+
+
+def _is_valid(plan: MaskPlan, min_owners: int) -> bool:
+    return all(plan.k(u) >= min_owners for u in range(plan.num_units))
+
+
+def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int) -> str:
+    """The smallest coverage, and the smallest world size, for which the masker covers every unit."""
+    import copy
+
+    requested = float(masker.cfg.coverage)
+    groups = group_units(partition, str(getattr(masker.cfg, "group_by", "auto")))
+    candidates = sorted({n / len(g) for g in groups.values() for n in range(1, len(g) + 1) if n / len(g) > requested})
+    hints = []
+    for c in candidates:
+        cfg = copy.deepcopy(masker.cfg)
+        cfg.coverage = c
+        if _is_valid(type(masker)(cfg).plan(partition, world_size, seed), min_owners):
+            hints.append(f"the smallest masker.coverage that works with {world_size} ranks is {c:.4g}")
+            break
+    for w in range(world_size + 1, 16 * world_size + 1):
+        if _is_valid(masker.plan(partition, w, seed), min_owners):
+            hints.append(f"masker.coverage={requested:g} works from {w} ranks on")
+            break
+    return "; ".join(hints) if hints else "raise masker.coverage or lower masker.min_owners"
+
+
+def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int = 1) -> MaskPlan:
+    """Run the masker and validate its plan (before any process group exists)."""
+    plan = masker.plan(partition, world_size, seed)
+    if plan.world_size != world_size or plan.num_units != len(partition.units):
+        raise PlanError(f"masker '{masker.name}' returned a plan for {plan.world_size} ranks and "
+                        f"{plan.num_units} units; expected {world_size} ranks and {len(partition.units)} units")
+    names = [u.name for u in partition.units]
+    plan.validate(min_owners, names, hint=lambda: _coverage_hint(masker, partition, world_size, seed, min_owners))
+    if min_owners > world_size:
+        raise PlanError(f"masker.min_owners={min_owners} exceeds the world size {world_size}")
+    plan.warn_coverage(partition, float(masker.cfg.coverage), str(getattr(masker.cfg, "group_by", "auto")))
+    return plan

@@ -1,0 +1,95 @@
+"""Communicator ``gloo``: ``torch.distributed`` over Gloo (CPU tensors)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from subnetdp.core.contracts import Communicator, Handle
+from subnetdp.core.hookspecs import hookimpl
+
+
+class WorkHandle(Handle):
+    """Wraps a ``torch.distributed`` work object."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+
+class TorchDistCommunicator(Communicator):
+    """Shared code of the ``torch.distributed`` backends; subclasses set ``backend``."""
+
+    backend = "gloo"
+
+    def __init__(self, cfg: Any, env: Any) -> None:
+        super().__init__(cfg, env)
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def init(self) -> None:
+        # collective: every rank reaches this; it creates the world process group.
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(self.cfg.timeout_s))}
+        init_method = str(self.cfg.init_method)
+        if self.world_size == 1 and init_method == "env://":
+            kwargs["store"] = dist.HashStore()
+        else:
+            kwargs["init_method"] = init_method
+        dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        self._groups[self.world] = dist.group.WORLD
+
+    def new_group(self, ranks: Sequence[int]) -> None:
+        key = tuple(sorted(ranks))
+        if key in self._groups:
+            return
+        # collective: every rank creates every group, in the same order, member or not.
+        self._groups[key] = dist.new_group(list(key), backend=self.backend)
+
+    def _pg(self, group: Sequence[int] | None) -> Any:
+        key = self.world if group is None else tuple(group)
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise RuntimeError(f"no process group for ranks {key}: groups must be created at set-up") from None
+
+    def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
+        key = tuple(group)
+        self.bytes.add(key, tensor.numel() * tensor.element_size())
+        work = dist.all_reduce(tensor, group=self._pg(key), async_op=async_op)
+        return WorkHandle(work if async_op else None)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
+        dist.broadcast(tensor, src=src, group=self._pg(group))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups.clear()
+
+
+class GlooCommunicator(TorchDistCommunicator):
+    """Gloo: CPU tensors, any number of ranks on one machine or across machines."""
+
+    backend = "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@hookimpl
+def subnetdp_register_communicators(registry) -> None:
+    registry.add("gloo", GlooCommunicator)

@@ -1,0 +1,74 @@
+"""Data ``digits``: scikit-learn's 1,797 real 8x8 handwritten digits (no download).
+
+A fixed, seeded split holds out ``test_fraction`` of the images; ``data.image_size`` resizes
+(bilinear), e.g. to 32 for models built for CIFAR-sized inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from subnetdp.core.contracts import DataConfig, DataModule, DataSpec
+from subnetdp.core.errors import ConfigError
+from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.data._sharded import ShardedTensorLoader, batched
+
+
+@dataclass
+class DigitsConfig(DataConfig):
+    image_size: int = 8
+    test_fraction: float = 0.2
+    split_seed: int = 0
+
+
+class DigitsData(DataModule):
+    """scikit-learn's digits as 1-channel images, normalised with the training split's statistics."""
+
+    Config = DigitsConfig
+
+    @classmethod
+    def validate_config(cls, cfg: Any, root: Any) -> None:
+        if not 0.0 < cfg.test_fraction < 1.0:
+            raise ConfigError("data.test_fraction", cfg.test_fraction, "must be in (0, 1)")
+        if cfg.image_size < 1:
+            raise ConfigError("data.image_size", cfg.image_size, "must be >= 1 (8 is the native size)")
+
+    def __init__(self, cfg: Any, seed: int = 0) -> None:
+        super().__init__(cfg, seed)
+        self._splits: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _load(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        if self._splits is None:
+            from sklearn.datasets import load_digits
+
+            d = load_digits()
+            x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+            y = torch.tensor(d.target, dtype=torch.int64)
+            size = int(self.cfg.image_size)
+            if size != 8:
+                x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(int(self.cfg.split_seed)))
+            n_test = int(round(len(x) * float(self.cfg.test_fraction)))
+            test, train = perm[:n_test], perm[n_test:]
+            mean, std = x[train].mean(), x[train].std()
+            x = (x - mean) / std
+            self._splits = ((x[train].contiguous(), y[train]), (x[test].contiguous(), y[test]))
+        return self._splits
+
+    def spec(self) -> DataSpec:
+        return DataSpec(in_channels=1, image_size=int(self.cfg.image_size), num_classes=10)
+
+    def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedTensorLoader:
+        return ShardedTensorLoader(self._load()[0], rank, world_size, batch_size, self.seed)
+
+    def eval_loader(self, batch_size: int) -> list:
+        return batched(self._load()[1], batch_size)
+
+
+@hookimpl
+def subnetdp_register_datasets(registry) -> None:
+    registry.add("digits", DigitsData)

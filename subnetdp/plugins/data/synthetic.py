@@ -1,0 +1,56 @@
+"""Data ``synthetic``: seeded random images labelled by a fixed random teacher (learnable, instant)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from subnetdp.core.contracts import DataConfig, DataModule, DataSpec
+from subnetdp.core.errors import ConfigError
+from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.data._sharded import ShardedTensorLoader, batched
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    image_size: int = 8
+    in_channels: int = 3
+    num_classes: int = 10
+    train_samples: int = 1024
+    test_samples: int = 256
+
+
+class SyntheticData(DataModule):
+    """Gaussian images; the label is the argmax of a fixed random linear map of the image."""
+
+    Config = SyntheticConfig
+
+    @classmethod
+    def validate_config(cls, cfg: Any, root: Any) -> None:
+        for key in ("image_size", "in_channels", "num_classes", "train_samples", "test_samples"):
+            if cfg[key] < 1:
+                raise ConfigError(f"data.{key}", cfg[key], "must be >= 1")
+
+    def _make(self, n: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c, s, k = int(self.cfg.in_channels), int(self.cfg.image_size), int(self.cfg.num_classes)
+        teacher = torch.randn(c * s * s, k, generator=torch.Generator().manual_seed(1234))
+        x = torch.randn(n, c, s, s, generator=torch.Generator().manual_seed(offset))
+        y = (x.flatten(1) @ teacher).argmax(1)
+        return x, y
+
+    def spec(self) -> DataSpec:
+        return DataSpec(in_channels=int(self.cfg.in_channels), image_size=int(self.cfg.image_size),
+                        num_classes=int(self.cfg.num_classes))
+
+    def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedTensorLoader:
+        return ShardedTensorLoader(self._make(int(self.cfg.train_samples), 1), rank, world_size, batch_size, self.seed)
+
+    def eval_loader(self, batch_size: int) -> list:
+        return batched(self._make(int(self.cfg.test_samples), 2), batch_size)
+
+
+@hookimpl
+def subnetdp_register_datasets(registry) -> None:
+    registry.add("synthetic", SyntheticData)

@@ -1,0 +1,40 @@
+"""Masker ``cyclic``: contiguous runs of units, starting points spread evenly over the ranks.
+
+In group g with K_g units, rank r owns units ``(floor(r * K_g / W) + t) mod K_g`` for
+``t < n_g``, ``n_g = max(1, floor(C * K_g + 0.5))``. Deterministic, as even as integers allow, and
+at most W distinct owner sets per group, so few owner groups have to be created.
+"""
+
+from __future__ import annotations
+
+from subnetdp.core.contracts import Masker, MaskerConfig, Partition
+from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.hookspecs import hookimpl
+from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, units_kept
+
+
+class CyclicMasker(Masker):
+    """Every rank keeps a contiguous (cyclic) run of ``n_g`` units of every group."""
+
+    Config = MaskerConfig
+
+    @classmethod
+    def validate_config(cls, cfg, root) -> None:
+        if cfg.group_by not in GROUP_BY:
+            raise ConfigError("masker.group_by", cfg.group_by, f"valid choices: {', '.join(GROUP_BY)}"
+                              + suggest(cfg.group_by, GROUP_BY))
+
+    def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
+        owned: list[list[int]] = [[] for _ in range(world_size)]
+        for ids in group_units(partition, self.cfg.group_by).values():
+            k = len(ids)
+            n = units_kept(float(self.cfg.coverage), k)
+            for r in range(world_size):
+                start = (r * k) // world_size
+                owned[r].extend(ids[(start + t) % k] for t in range(n))
+        return MaskPlan(world_size, owned, len(partition.units))
+
+
+@hookimpl
+def subnetdp_register_maskers(registry) -> None:
+    registry.add("cyclic", CyclicMasker)

@@ -1,0 +1,162 @@
+"""Model ``resnet``: torchvision ResNet-18/34/50; units are the residual branches of the blocks.
+
+A block's shortcut (identity, or the 1x1 projection with its BatchNorm) is shared, so every block is
+maskable: a dropped block computes ``relu(shortcut(x))``, which is what the block computes when its
+residual branch is zero. Blocks with an identity shortcut vanish entirely (their input is already
+the output of a ReLU). Blocks are grouped per stage, so every subnetwork keeps the same number of
+blocks in every stage and ranks cost the same.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from subnetdp.core.contracts import (DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition,
+                                     TensorSlice, Unit)
+from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.hookspecs import hookimpl
+
+VARIANTS = ("resnet18", "resnet34", "resnet50")
+STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    variant: str = "resnet18"
+    cifar_stem: bool = True
+    zero_init_residual: bool = False
+
+
+class DroppedBlock(nn.Module):
+    """What a dropped block with a projection shortcut computes: ``relu(downsample(x))``."""
+
+    def __init__(self, downsample: nn.Module) -> None:
+        super().__init__()
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.downsample(x))
+
+
+def build_reference(variant: str, num_classes: int, in_channels: int = 3, cifar_stem: bool = False,
+                    zero_init_residual: bool = False) -> nn.Module:
+    """The plain torchvision model subnetdp trains (also how to rebuild an exported one).
+
+    ``cifar_stem`` replaces the 7x7/2 stem convolution and max-pool with a 3x3/1 convolution, the
+    usual choice for 32x32 (or smaller) images.
+    """
+    model = torchvision.models.get_model(variant, weights=None, num_classes=num_classes,
+                                         zero_init_residual=zero_init_residual)
+    if cifar_stem or in_channels != 3:
+        k, s, p = (3, 1, 1) if cifar_stem else (7, 2, 3)
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=k, stride=s, padding=p, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    if cifar_stem:
+        model.maxpool = nn.Identity()
+    return model
+
+
+class ResNetAdapter(ModelAdapter):
+    """torchvision ResNets with block-level units (residual branches)."""
+
+    Config = ResNetConfig
+    granularities = ("block",)
+
+    @classmethod
+    def validate_config(cls, cfg: Any, root: Any) -> None:
+        if cfg.variant not in VARIANTS:
+            raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
+                              + suggest(cfg.variant, VARIANTS))
+
+    def build(self, spec: DataSpec) -> nn.Module:
+        return build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
+                               bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual))
+
+    def reference_options(self, spec: DataSpec) -> dict[str, Any]:
+        return {"variant": self.cfg.variant, "num_classes": spec.num_classes,
+                "in_channels": spec.in_channels or 3, "cifar_stem": bool(self.cfg.cifar_stem),
+                "zero_init_residual": bool(self.cfg.zero_init_residual)}
+
+    def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
+        if granularity != "block":
+            raise ConfigError("masker.granularity", granularity, "the resnet adapter supports: block")
+        costs = self._block_costs(model, spec)
+        units: list[Unit] = []
+        in_unit: set[str] = set()
+        for stage in STAGES:
+            for bi, block in enumerate(getattr(model, stage)):
+                prefix = f"{stage}.{bi}."
+                params = tuple(TensorSlice(prefix + n) for n, _ in block.named_parameters()
+                               if not n.startswith("downsample."))
+                buffers = tuple(TensorSlice(prefix + n) for n, _ in block.named_buffers()
+                                if not n.startswith("downsample."))
+                in_unit.update(s.name for s in params + buffers)
+                units.append(Unit(len(units), f"{stage}.{bi}", stage, costs[f"{stage}.{bi}"], params, buffers))
+        shapes, dtypes = Partition.tensor_info(model)
+        shared = [n for n, _ in model.named_parameters() if n not in in_unit]
+        shared_buffers = [n for n, _ in model.named_buffers() if n not in in_unit]
+        return Partition("block", units, shared, shared_buffers, shapes, dtypes)
+
+    @staticmethod
+    def _block_costs(model: nn.Module, spec: DataSpec) -> dict[str, float]:
+        """Forward FLOPs per sample of each residual branch, measured with FlopCounterMode."""
+        size = spec.image_size or 32
+        x = torch.zeros(1, spec.in_channels or 3, size, size)
+        counter = FlopCounterMode(display=False)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), counter:
+            model(x)
+        model.train(was_training)
+        counts = {k.split(".", 1)[1] if "." in k else k: sum(v.values())
+                  for k, v in counter.get_flop_counts().items()}
+        out = {}
+        for stage in STAGES:
+            for bi, _ in enumerate(getattr(model, stage)):
+                name = f"{stage}.{bi}"
+                out[name] = float(counts.get(name, 0) - counts.get(f"{name}.downsample", 0))
+        return out
+
+    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition) -> tuple[nn.Module, ParamMap]:
+        keep = {partition.units[u].name for u in owned}
+        for stage in STAGES:
+            layer = getattr(model, stage)
+            kept: OrderedDict[str, nn.Module] = OrderedDict()
+            for bi, block in enumerate(layer):
+                if f"{stage}.{bi}" in keep:
+                    kept[str(bi)] = block
+                elif block.downsample is not None:
+                    kept[str(bi)] = DroppedBlock(block.downsample)
+            setattr(model, stage, nn.Sequential(kept))
+        unit_of: dict[str, int | None] = {}
+        for u in partition.units:
+            for s in u.slices + u.buffers:
+                unit_of[s.name] = u.id
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        return model, ParamMap.identity(names, unit_of)
+
+    def blocks(self, submodel: nn.Module) -> list[nn.Module]:
+        return [b for stage in STAGES for b in getattr(submodel, stage)
+                if not isinstance(b, DroppedBlock)]
+
+    def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(output, batch[1])
+
+    def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
+        logits = torch.cat(list(outputs))
+        labels = torch.cat([b[1] for b in batches])
+        return {"accuracy": float((logits.argmax(1) == labels).float().mean()),
+                "loss": float(F.cross_entropy(logits, labels))}
+
+
+@hookimpl
+def subnetdp_register_models(registry) -> None:
+    registry.add("resnet", ResNetAdapter)
