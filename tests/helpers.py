@@ -1,0 +1,77 @@
+"""Shared test helpers: composing small configs and running real multi-process gloo groups."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from subnetdp.core.config import compose
+from subnetdp.core.plugins import PluginManager
+
+_PM: PluginManager | None = None
+
+
+def plugin_manager() -> PluginManager:
+    global _PM
+    if _PM is None:
+        _PM = PluginManager()
+    return _PM
+
+
+def small_config(*overrides: str, recipe: str | None = "resnet18_digits", run_dir: str | os.PathLike = "runs") -> Any:
+    """The default recipe shrunk for tests: no progress bar, cheap evaluation, one thread."""
+    base = ["train.progress=false", "launch.nproc=1", "launch.threads_per_rank=1", f"run.dir={run_dir}",
+            "eval.bn_recalibrate_batches=0", "train.log_every=1000", "optim.warmup_steps=0"]
+    return compose(recipe, base + list(overrides), plugin_manager().registries)
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, out: str, args: Sequence[Any]) -> None:
+    os.environ.update({"OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, init_method, *args)
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException as e:  # report to the parent, which fails the test with it
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, out)
+        raise SystemExit(1)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, timeout: float = 180,
+              expect_error: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, init_method, *args)`` in ``world_size`` spawned processes.
+
+    The processes meet through a ``FileStore`` in ``tmp_path`` (no ports). Returns each rank's
+    result (or, with ``expect_error``, each rank's error message); a hang past ``timeout`` seconds
+    kills them all and fails.
+    """
+    store = tmp_path / f"store-{os.urandom(4).hex()}"
+    init_method = f"file://{store}"
+    ctx = mp.get_context("spawn")
+    outs = [str(tmp_path / f"result-{store.name}-{r}.pt") for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_method, outs[r], args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still running after {timeout}s"
+    results = []
+    for r, path in enumerate(outs):
+        assert Path(path).exists(), f"rank {r} died without a result (exit code {procs[r].exitcode})"
+        res = torch.load(path, weights_only=False)
+        if expect_error:
+            assert not res["ok"], f"rank {r} succeeded but an error was expected"
+            results.append(res["error"])
+        else:
+            assert res["ok"], f"rank {r} failed:\n{res['traceback']}"
+            results.append(res["result"])
+    return results

@@ -1,0 +1,73 @@
+"""Composition and validation: bad input is a ConfigError naming key, value, choices and a fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from subnetdp.core.config import compose
+from subnetdp.core.errors import ConfigError
+from tests.helpers import plugin_manager
+
+
+def cfg(*overrides: str, recipe: str | None = "resnet18_digits"):
+    return compose(recipe, list(overrides), plugin_manager().registries)
+
+
+def test_layers_compose_in_order():
+    c = cfg("masker.coverage=0.75", "train.steps=7")
+    assert c.masker.coverage == 0.75 and c.train.steps == 7  # command line wins
+    assert c.optim.lr == 0.05  # from the recipe, over defaults.yaml's 0.1
+    assert c.model.cifar_stem is True and c.model.variant == "resnet18"  # plugin schema mounted
+    assert c.data.test_fraction == 0.2  # from configs/data/digits.yaml
+    # Selecting another plugin mounts its schema and file instead.
+    s = cfg("data.name=synthetic", "data.train_samples=64")
+    assert s.data.train_samples == 64 and "test_fraction" not in s.data
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("masker.name=cylic", "masker.name", ["unknown masker", "available: cyclic", "did you mean 'cyclic'"]),
+    ("model.name=resnt", "model.name", ["unknown model", "did you mean 'resnet'"]),
+    ("masker.coverage=1.5", "masker.coverage", ["must be in (0.0, 1.0]", "0.5"]),
+    ("masker.coverage=0", "masker.coverage", ["must be in (0.0, 1.0]"]),
+    ("masker.coverag=0.5", "masker.coverag", ["unknown key", "did you mean 'coverage'"]),
+    ("trian.steps=3", "trian", ["unknown top-level key", "did you mean 'train'"]),
+    ("train.steps=abc", "train.steps", ["wrong type"]),
+    ("optim.name=adamm", "optim.name", ["valid choices: sgd, adamw, adam", "did you mean 'adam"]),
+    ("model.variant=resnet19", "model.variant", ["resnet18, resnet34, resnet50"]),
+    ("masker.granularity=layer", "masker.granularity", ["valid choices: block"]),
+])
+def test_bad_values_name_the_key(override, key, words):
+    with pytest.raises(ConfigError) as e:
+        cfg(override)
+    assert e.value.key == key
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_unknown_recipe_suggests_a_close_one():
+    with pytest.raises(ConfigError, match="did you mean 'resnet18_digits'"):
+        cfg(recipe="resnet18_digit")
+
+
+def test_override_without_equals_sign():
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        cfg("=3")
+
+
+def test_cli_prints_one_line_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "masker.name=cylic",
+                           f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "masker.name='cylic': unknown masker; available: cyclic — did you mean 'cyclic'?" in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing was started or written
+    # An impossible plan fails in the launching process, before any worker starts.
+    proc = subprocess.run([sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "launch.nproc=2",
+                           "masker.coverage=0.25", "masker.group_by=model", f"run.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "leaves 4 unit(s) with fewer than masker.min_owners=1" in proc.stderr
+    assert "starting" not in proc.stdout

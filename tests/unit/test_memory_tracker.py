@@ -1,0 +1,33 @@
+"""The dispatch-level tracker measures tensor memory exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes
+
+
+def test_tracker_counts_storages_once_and_frees():
+    with TensorMemoryTracker(baseline=100) as t:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a.view(10, 100)  # a view: no new storage
+        assert t.current == 4100
+        c = a * 2  # 4000 more
+        assert t.peak == 8100
+        del c
+        assert t.current == 4100
+        del a, b
+        assert t.current == 100
+    assert t.peak == 8100
+
+
+def test_tracker_sees_backward_and_live_state():
+    model = torch.nn.Linear(256, 256)
+    state = live_state_bytes(list(model.parameters()) + [model.weight])  # counted once
+    assert state == (256 * 256 + 256) * 4
+    x = torch.randn(64, 256)
+    with TensorMemoryTracker(state) as t:
+        model(x).sum().backward()
+    # Gradients (same size as parameters) were allocated inside the block and are still alive.
+    assert t.current - state >= (256 * 256 + 256) * 4
+    assert t.peak >= t.current

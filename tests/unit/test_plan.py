@@ -1,0 +1,104 @@
+"""MaskPlan and the cyclic masker: ownership, validation, hashing, the mixing graph."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from subnetdp.core.contracts import DataSpec, MaskerConfig
+from subnetdp.core.errors import PlanError
+from subnetdp.core.plan import MaskPlan, make_plan, units_kept
+from subnetdp.plugins.maskers.cyclic import CyclicMasker
+from subnetdp.plugins.models.resnet import ResNetAdapter, ResNetConfig
+
+
+@pytest.fixture(scope="module")
+def partition():
+    adapter = ResNetAdapter(OmegaConf.structured(ResNetConfig))
+    spec = DataSpec(in_channels=1, image_size=8, num_classes=10)
+    torch.manual_seed(0)
+    model = adapter.build(spec)
+    return adapter.partition(model, "block", spec)
+
+
+def masker(**kw) -> CyclicMasker:
+    cfg = OmegaConf.structured(MaskerConfig)
+    for k, v in kw.items():
+        cfg[k] = v
+    return CyclicMasker(cfg)
+
+
+def test_units_kept_rounds_half_up():
+    assert units_kept(0.69, 16) == 11
+    assert units_kept(0.5, 2) == 1
+    assert units_kept(0.375, 8) == 3
+    assert units_kept(0.01, 8) == 1  # never zero
+    assert units_kept(1.0, 5) == 5
+
+
+def test_cyclic_half_coverage_on_four_ranks(partition):
+    plan = make_plan(masker(coverage=0.5), partition, 4, seed=0)
+    assert len(partition.units) == 8 and plan.num_units == 8
+    assert plan.owner_counts() == [2] * 8  # every residual block held by 2 of the 4
+    # One block of every stage per rank: effective coverage 0.5 in each stage.
+    assert all(c == [0.5] * 4 for c in plan.effective_coverage(partition).values())
+    assert plan.owner_sets() == [(0, 1), (2, 3), (0, 1, 2, 3)]
+    # Ranks {0,1} and {2,3} share no unit: two components; shared tensors still mix them.
+    assert plan.unit_graph_components() == 2
+    gap = plan.spectral_gap(partition)
+    assert 0.0 < gap < 1.0
+    M = plan.mixing_matrix(partition)
+    np.testing.assert_allclose(M.sum(0), 1.0)
+    np.testing.assert_allclose(M, M.T)
+
+
+def test_full_coverage_is_everyone_owning_everything(partition):
+    plan = make_plan(masker(coverage=1.0), partition, 3, seed=0)
+    assert plan.owned == [list(range(8))] * 3
+    assert plan.owner_sets() == [(0, 1, 2)]
+    assert plan.spectral_gap(partition) == pytest.approx(1.0)
+
+
+def test_unowned_units_fail_with_names_and_the_fix(partition):
+    with pytest.raises(PlanError) as e:
+        make_plan(masker(coverage=0.25, group_by="model"), partition, 2, seed=0)
+    msg = str(e.value)
+    assert "layer2.0, layer2.1, layer4.0, layer4.1" in msg and "masker.min_owners=1" in msg
+    assert "smallest masker.coverage that works with 2 ranks is 0.5" in msg
+    assert "works from 4 ranks on" in msg
+
+
+def test_min_owners_above_coverage_fails(partition):
+    with pytest.raises(PlanError, match="fewer than masker.min_owners=3"):
+        make_plan(masker(coverage=0.5), partition, 4, seed=0, min_owners=3)
+
+
+def test_inexpressible_coverage_warns(partition):
+    with pytest.warns(UserWarning, match="2 of 2 units kept, effective coverage 1.000 vs masker.coverage=0.75"):
+        make_plan(masker(coverage=0.75), partition, 4, seed=0)
+    # Drawing across the whole model expresses it: 6 of 8 blocks per rank.
+    plan = make_plan(masker(coverage=0.75, group_by="model"), partition, 4, seed=0)
+    assert [len(o) for o in plan.owned] == [6] * 4
+
+
+def test_digest_and_json_round_trip(partition):
+    plan = make_plan(masker(coverage=0.5), partition, 4, seed=0)
+    d = json.loads(plan.to_json(partition))
+    assert d["units"][3]["owners"] == list(plan.owners(3))
+    assert sum(d["params_per_rank"]) > 0
+    again = MaskPlan.from_dict(d)
+    assert again.owned == plan.owned and again.digest() == plan.digest()
+    other = make_plan(masker(coverage=1.0), partition, 4, seed=0)
+    assert other.digest() != plan.digest()
+    d["owned"][0] = [1, 2]
+    with pytest.raises(PlanError, match="digest"):
+        MaskPlan.from_dict(d)
+
+
+def test_plan_rejects_units_outside_partition():
+    with pytest.raises(PlanError, match="owns unit 5"):
+        MaskPlan(2, [[0, 5], [1]], 3)
