@@ -186,21 +186,23 @@ def _train(run: Run, pm: PluginManager) -> None:
             grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
             optimizer.step()
             scheduler.step()
-        step_times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
         if measure:
-            peak_cpu = tracker.peak
+            peak_cpu = tracker.peak  # the tracker slows this step down: keep it out of the timings
+        else:
+            step_times.append(elapsed)
         loss_sum += float(step_loss)
         loss_n += 1
         run.step = step
-        metrics = {"loss": float(step_loss), "lr": optimizer.param_groups[0]["lr"], "step_time": step_times[-1]}
-        log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": step_times[-1]}, per_rank=True)
+        metrics = {"loss": float(step_loss), "lr": optimizer.param_groups[0]["lr"], "step_time": elapsed}
+        log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": elapsed}, per_rank=True)
         if log_step:
             # collective: every rank reaches this on log steps to average the loss over the world.
             mean = torch.tensor([loss_sum, float(loss_n)], dtype=torch.float64, device=device)
             comm.all_reduce(mean, comm.world).wait()
             train_loss = float(mean[0] / mean[1])
             loss_sum, loss_n = 0.0, 0
-            window = step_times[-int(cfg.train.log_every):]
+            window = step_times[-int(cfg.train.log_every):] or [elapsed]
             step_time = sum(window) / len(window)
             record = {"step": step, "train/loss": train_loss, "train/lr": metrics["lr"],
                       "train/grad_norm": grad_norm, "train/step_time_s": step_time,
@@ -260,11 +262,11 @@ def _write_start(run: Run, log: RunLogger) -> None:
 def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_per_step: float,
                peak: int) -> dict[str, Any]:
     params_held = sum(p.numel() for p in run.model.parameters())
-    warm = step_times[1:] or step_times
+    warm = step_times[1:] or step_times  # the first step pays one-off set-up costs
     mine = {"rank": run.rank, "params_held": params_held, "peak_memory_bytes": peak,
             "memory_measured_by": "cuda allocator" if run.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
-            "step_time_s": sum(warm) / len(warm), "owned_units": run.plan.owned[run.rank]}
+            "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank]}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
@@ -286,7 +288,7 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
     for r in summary["ranks"]:
         lines.append(f"{r['rank']:>4}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
                      f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  {r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  "
-                     f"{r['step_time_s'] * 1000:>6.0f} ms")
+                     + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))
     return "\n".join(lines)
 
 
