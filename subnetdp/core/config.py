@@ -219,7 +219,7 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
             raise ConfigError(f"{group}.name", None, "no plugin selected", f"set {group}.name")
         cls = registries[group].get(str(name), f"{group}.name")
         node = OmegaConf.structured(cls.Config)
-        plugin_file = getattr(cls, "config_file", None) or config_root() / group / f"{name}.yaml"
+        plugin_file = cls.config_file or config_root() / group / f"{name}.yaml"
         if Path(plugin_file).is_file():
             node = _merge(node, _load_yaml(Path(plugin_file), f"{group}.name"), f"{Path(plugin_file).name}", f"{group}.")
         for layer, source in layers:
@@ -274,10 +274,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
     for group in PLUGIN_GROUPS:
-        cls = registries[group].get(cfg[group].name)
-        check = getattr(cls, "validate_config", None)
-        if check is not None:
-            check(cfg[group], cfg)
+        registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
 
 
 def to_yaml(cfg: DictConfig) -> str:

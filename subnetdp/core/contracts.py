@@ -184,13 +184,26 @@ class PluginConfig:
 
 
 class Plugin:
-    """Common base: a registered name and a config schema."""
+    """Common base: a config schema, an optional config file and optional extra validation.
 
-    name: ClassVar[str] = ""
+    Attributes:
+        Config: the dataclass mounted under the plugin's group key when it is selected.
+        config_file: a YAML file of defaults loaded beneath the user's values (built-in plugins use
+            ``configs/<group>/<name>.yaml`` instead).
+        name: the name the instance was selected by (set by ``Registry.create``).
+    """
+
     Config: ClassVar[type] = PluginConfig
+    config_file: ClassVar[str | None] = None
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        self.name = ""
+
+    @classmethod
+    def validate_config(cls, cfg: Any, root: Any) -> None:
+        """Raise :class:`~subnetdp.core.errors.ConfigError` for a bad value of this plugin's section
+        ``cfg`` (the whole run config is ``root``). Runs before any process group exists."""
 
 
 @dataclass

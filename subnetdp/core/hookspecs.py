@@ -13,9 +13,9 @@ Where each hook fires in the training loop (``subnetdp.core.loop.train``)::
     subnetdp_on_run_start(run)
     for step in steps:
         forward/backward on own micro-batches -> owner-group gradient averaging -> optimizer step
-        subnetdp_on_step_end(run, step, metrics)
-        every eval.every steps: union model evaluated on rank 0
+        every eval.every steps (and after the last): union model evaluated on rank 0
             subnetdp_on_eval_end(run, step, metrics)
+        subnetdp_on_step_end(run, step, metrics)
     subnetdp_on_run_end(run)
 
 Hooks are called with keyword arguments only. Registration hooks run on every rank, in every

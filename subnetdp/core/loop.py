@@ -61,11 +61,11 @@ def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
 def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
-    data: DataModule = regs["data"].get(cfg.data.name)(cfg.data, seed=int(cfg.seed))
+    data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
     data.check()
     spec = data.spec()
-    adapter: ModelAdapter = regs["model"].get(cfg.model.name)(cfg.model)
-    masker: Masker = regs["masker"].get(cfg.masker.name)(cfg.masker)
+    adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
+    masker: Masker = regs["masker"].create(cfg.masker.name, cfg.masker)
     # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
     torch.manual_seed(int(cfg.seed))
     full = adapter.build(spec)
@@ -81,7 +81,7 @@ def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
 
 def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     """Build everything a rank needs. Bad input fails before the process group exists."""
-    comm: Communicator = pm.registries["comm"].get(cfg.comm.name)(cfg.comm, env)
+    comm: Communicator = pm.registries["comm"].create(cfg.comm.name, cfg.comm, env)
     comm.check_environment()
     if cfg.train.device == "cuda" and comm.device.type != "cuda":
         raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",

@@ -50,7 +50,6 @@ class Registry:
             raise SubnetdpError(f"{KIND_WORDS[self.kind]} name '{name}' is registered twice: by plugin "
                                 f"'{other}' and by plugin '{self._current}'; disable one with "
                                 f"{DISABLE_ENV}={self._current}")
-        cls.name = name
         self.entries[name] = Entry(name, cls, self._current)
 
     def get(self, name: str, key: str | None = None) -> type:
@@ -61,6 +60,12 @@ class Registry:
             raise ConfigError(key, name, f"unknown {KIND_WORDS[self.kind]}; available: {choices}"
                               + suggest(name, self.entries))
         return self.entries[name].cls
+
+    def create(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """An instance of the class registered as ``name``, which knows the name it was chosen by."""
+        obj = self.get(name)(*args, **kwargs)
+        obj.name = name
+        return obj
 
     def names(self) -> list[str]:
         return sorted(self.entries)
@@ -79,7 +84,7 @@ class PluginManager:
             self.pm.set_blocked(name)
         self.disabled = sorted(disabled)
         if entry_points:
-            self.pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+            self._load_entry_points()
         for obj in extra:
             self.pm.register(obj)
         self.registries = {kind: self._collect(kind) for kind in KIND_BASES}
@@ -87,6 +92,27 @@ class PluginManager:
     @property
     def hook(self) -> Any:
         return self.pm.hook
+
+    def _load_entry_points(self) -> None:
+        """Register every ``subnetdp`` entry point; two packages using one name is an error."""
+        from importlib.metadata import distributions
+
+        self._dists: dict[str, Any] = {}
+        for dist in distributions():
+            for ep in dist.entry_points:
+                if ep.group != hookspecs.PROJECT:
+                    continue
+                owner = self._dists.get(ep.name)
+                if owner is not None:
+                    if owner.metadata["name"] == dist.metadata["name"]:
+                        continue  # the same distribution seen twice on sys.path
+                    raise SubnetdpError(
+                        f"plugin name '{ep.name}' is claimed by two packages: {owner.metadata['name']} and "
+                        f"{dist.metadata['name']}; uninstall one or disable it with {DISABLE_ENV}={ep.name}")
+                if self.pm.is_blocked(ep.name):
+                    continue
+                self._dists[ep.name] = dist
+                self.pm.register(ep.load(), name=ep.name)
 
     def _collect(self, kind: str) -> Registry:
         reg = Registry(kind)
@@ -101,27 +127,38 @@ class PluginManager:
     def get(self, kind: str, name: str) -> type:
         return self.registries[kind].get(name)
 
+    def _package(self, plugin: str) -> tuple[str, str]:
+        dist = getattr(self, "_dists", {}).get(plugin)
+        return (dist.metadata["name"], dist.version) if dist else ("(registered directly)", "")
+
+    def _hooks(self, plugin: str) -> str:
+        obj = self.pm.get_plugin(plugin)
+        return ",".join(sorted(h.name for h in (self.pm.get_hookcallers(obj) or []))) if obj is not None else ""
+
     def describe(self) -> list[dict[str, str]]:
-        """One row per registered class: name, kind, plugin, package, version, hooks."""
-        dists = {self.pm.get_name(p): d for p, d in self.pm.list_plugin_distinfo()}
+        """One row per registered class (name, kind, plugin, package, version, hooks), then one per
+        plugin that registers no class but implements lifecycle hooks (kind ``hooks``)."""
         rows = []
+        used = set()
         for kind, reg in self.registries.items():
             for e in reg.entries.values():
-                dist = dists.get(e.plugin)
-                plugin_obj = self.pm.get_plugin(e.plugin)
-                hooks = sorted(h.name for h in (self.pm.get_hookcallers(plugin_obj) or [])) if plugin_obj else []
-                rows.append({
-                    "name": e.name, "kind": KIND_WORDS[kind], "plugin": e.plugin,
-                    "package": dist.project_name if dist else "(registered directly)",
-                    "version": dist.version if dist else "",
-                    "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
-                    "hooks": ",".join(hooks),
-                })
+                package, version = self._package(e.plugin)
+                used.add(e.plugin)
+                rows.append({"name": e.name, "kind": KIND_WORDS[kind], "plugin": e.plugin, "package": package,
+                             "version": version, "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
+                             "hooks": self._hooks(e.plugin)})
+        for obj in self.pm.get_plugins():
+            plugin = self.pm.get_name(obj)
+            if plugin in used or plugin is None or obj is hookspecs:
+                continue
+            package, version = self._package(plugin)
+            rows.append({"name": plugin, "kind": "hooks", "plugin": plugin, "package": package, "version": version,
+                         "class": "", "hooks": self._hooks(plugin)})
         return rows
 
     def versions(self) -> dict[str, str]:
         """Plugin name -> 'package==version', for comparing ranks."""
-        return {self.pm.get_name(p): f"{d.project_name}=={d.version}" for p, d in self.pm.list_plugin_distinfo()}
+        return {name: f"{d.metadata['name']}=={d.version}" for name, d in getattr(self, "_dists", {}).items()}
 
 
 def format_table(rows: list[dict[str, str]], columns: list[str]) -> str:

@@ -1,0 +1,1 @@
+"""subnetdp-strided: an example third-party subnetdp plugin (the ``strided`` masker)."""
