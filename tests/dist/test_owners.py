@@ -1,0 +1,101 @@
+"""Coverage 0.5 on 4 ranks: owners of a unit stay bit-identical; averages are owners' means."""
+
+from __future__ import annotations
+
+import torch
+
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.errors import RankMismatchError
+from subnetdp.core.loop import _train, setup
+from subnetdp.core.sync import OwnerGroupAverager
+from tests.helpers import plugin_manager, run_ranks, small_config
+
+
+def _global(run, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {run.pmap.pieces[n][0].global_name: t for n, t in tensors.items()}
+
+
+def _worker(rank: int, world: int, init_method: str, optim: str, lr: str) -> dict:
+    cfg = small_config("masker.coverage=0.5", "train.steps=4", "train.batch_size=8", f"optim.name={optim}",
+                       f"optim.lr={lr}",
+                       f"comm.init_method={init_method}", "eval.batches=1", "run.name=owners",
+                       run_dir=init_method.removeprefix("file://") + "-runs")
+    pm = plugin_manager()
+    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    try:
+        # One step by hand: local gradients first (no communication), then the averaged ones.
+        averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm)
+        averager.prepare()
+        x, y = next(iter(run.data.train_loader(rank, world, 8)))
+        with averager.no_sync():
+            run.adapter.loss(run.model(x), (x, y)).backward()
+        local = {n: p.grad.clone() for n, p in run.model.named_parameters()}
+        averager.finish()
+        averaged = {n: p.grad.clone() for n, p in run.model.named_parameters()}
+        averager.remove_hooks()
+        # Then several real steps through the loop.
+        _train(run, pm)
+        params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        state = {}
+        for n, p in run.model.named_parameters():
+            for k, v in run.optimizer.state[p].items():
+                state[f"{n}/{k}"] = v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+        return {"owned": run.plan.owned[rank], "owners": [run.plan.owners(u) for u in range(run.plan.num_units)],
+                "unit_of": {run.pmap.pieces[n][0].global_name: u for n, u in run.pmap.unit_of.items()},
+                "local": _global(run, local), "averaged": _global(run, averaged), "params": _global(run, params),
+                "state": state}
+    finally:
+        run.comm.shutdown()
+
+
+def test_owners_bit_identical_and_gradients_are_owner_means(tmp_path):
+    results = run_ranks(_worker, 4, tmp_path, "adamw", "1e-3")
+    owners = results[0]["owners"]
+    unit_of = {}
+    for r in results:
+        unit_of.update(r["unit_of"])
+    # Every residual block is held by exactly 2 of the 4 ranks (coverage 0.5).
+    assert all(len(o) == 2 for o in owners)
+    checked_units = set()
+    for name, unit in unit_of.items():
+        if name not in results[0]["params"] and all(name not in r["params"] for r in results):
+            continue  # a buffer
+        holders = list(owners[unit]) if unit is not None else list(range(4))
+        if not any(name in results[r]["params"] for r in holders):
+            continue
+        first = holders[0]
+        for r in holders[1:]:
+            assert torch.equal(results[r]["params"][name], results[first]["params"][name]), (name, r)
+            for key, value in results[first]["state"].items():
+                if key.startswith(name + "/"):
+                    assert torch.equal(results[r]["state"][key], value), (key, r)
+        # The averaged gradient is the mean of the owners' local gradients.
+        expected = sum(results[r]["local"][name] for r in holders) / len(holders)
+        for r in holders:
+            torch.testing.assert_close(results[r]["averaged"][name], expected, rtol=1e-6, atol=1e-7)
+        # Ranks outside the owner set do not hold the unit at all.
+        for r in set(range(4)) - set(holders):
+            assert name not in results[r]["params"], (name, r)
+        if unit is not None:
+            checked_units.add(unit)
+    assert checked_units == set(range(len(owners)))
+    # Owners hold different units: the ranks' subnetworks really differ.
+    assert results[0]["owned"] != results[2]["owned"]
+
+
+def _mismatch_worker(rank: int, world: int, init_method: str) -> None:
+    cfg = small_config(f"masker.coverage={0.5 if rank == 0 else 1.0}", "train.steps=1",
+                       f"comm.init_method={init_method}", "run.name=mismatch",
+                       run_dir=init_method.removeprefix("file://") + "-runs")
+    try:
+        setup(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
+    except RankMismatchError:
+        raise
+    raise AssertionError("ranks with different plans were not stopped")
+
+
+def test_ranks_that_disagree_on_the_plan_stop_with_a_message(tmp_path):
+    errors = run_ranks(_mismatch_worker, 2, tmp_path, expect_error=True)
+    for e in errors:
+        assert e.startswith("RankMismatchError"), e
+        assert "rank 1 has a different plan than rank 0" in e
