@@ -104,8 +104,8 @@ def test_mpi_outside_mpirun_names_both_worlds():
     comm = MpiCommunicator(_cfg(MpiCommunicator, name="mpi"), LaunchEnv(0, 2, 0, 2, "torchrun"))
     with pytest.raises(ConfigError, match=r"MPI's world is rank 0 of 1, but the torchrun launch says rank 0 of 2"):
         comm.check_environment()
-    with pytest.raises(ConfigError, match="comm.cuda_aware='maybe': valid choices: auto, on, off"):
-        MpiCommunicator.validate_config(_cfg(MpiCommunicator, name="mpi", cuda_aware="maybe"), None)
+    with pytest.raises(ConfigError, match="comm.device='gpu': valid choices: cpu, cuda"):
+        MpiCommunicator.validate_config(_cfg(MpiCommunicator, name="mpi", device="gpu"), None)
 
 
 def test_a_world_that_never_assembles_times_out_with_expected_and_arrived(monkeypatch, capsys, tmp_path):

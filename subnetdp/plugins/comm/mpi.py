@@ -5,8 +5,8 @@ there is no rendezvous. Tensors travel without copies where MPI can read them in
 
 - CPU tensors: a numpy view of the contiguous tensor (no copy); a non-contiguous tensor is copied
   to a contiguous buffer and back.
-- CUDA tensors: passed to MPI directly when the library is CUDA-aware (``comm.cuda_aware``: ``auto``
-  asks ``MPIX_Query_cuda_support``), else staged through a pinned host buffer.
+- CUDA tensors: passed to MPI directly when the library is CUDA-aware (``comm.cuda_aware``;
+  null asks ``MPIX_Query_cuda_support``), else staged through a pinned host buffer.
 - bf16 / fp16: MPI has no such sum (MPICH raises, Open MPI returns garbage), so they are reduced in
   fp32 and rounded back once.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -27,7 +27,6 @@ from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.launchers.mpi import import_mpi
 
-CUDA_AWARE_CHOICES = ("auto", "on", "off")
 DEVICE_CHOICES = ("cpu", "cuda")
 # dtypes MPI cannot sum: reduced in fp32.
 _WIDEN = (torch.bfloat16, torch.float16)
@@ -67,12 +66,12 @@ class MpiConfig(CommConfig):
 
     Attributes:
         device: ``cpu``, or ``cuda`` (rank computes on ``cuda:LOCAL_RANK``).
-        cuda_aware: ``auto`` (ask the library), ``on`` or ``off`` (stage CUDA tensors through pinned
-            host memory).
+        cuda_aware: null (ask the library), true, or false (stage CUDA tensors through pinned host
+            memory).
     """
 
     device: str = "cpu"
-    cuda_aware: str = "auto"
+    cuda_aware: Optional[bool] = None
 
 
 class MpiCommunicator(Communicator):
@@ -88,9 +87,6 @@ class MpiCommunicator(Communicator):
 
     @classmethod
     def validate_config(cls, node: Any, cfg: Any) -> None:
-        if str(node.cuda_aware) not in CUDA_AWARE_CHOICES:
-            raise ConfigError("comm.cuda_aware", node.cuda_aware, f"valid choices: {', '.join(CUDA_AWARE_CHOICES)}",
-                              "use auto to ask the MPI library")
         if str(node.device) not in DEVICE_CHOICES:
             raise ConfigError("comm.device", node.device, f"valid choices: {', '.join(DEVICE_CHOICES)}")
 
@@ -119,8 +115,8 @@ class MpiCommunicator(Communicator):
             self.check_environment()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        mode = str(self.cfg.cuda_aware)
-        self._cuda_aware = mode == "on" or (mode == "auto" and mpi_cuda_aware(self.MPI))
+        aware = self.cfg.cuda_aware
+        self._cuda_aware = mpi_cuda_aware(self.MPI) if aware is None else bool(aware)
         self._comms[self.world] = self.MPI.COMM_WORLD
 
     @property
