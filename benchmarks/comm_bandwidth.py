@@ -9,7 +9,8 @@ Part 1, for bucket sizes 1 KiB-64 MiB (fp32) on 2 ranks, in one MPI job:
 - raw mpi4py ``Allreduce`` on a numpy array vs the ``mpi`` plugin's ``all_reduce`` (``Iallreduce``
   on a zero-copy view, then ``Wait``).
 Each pair alternates over several rounds and reports the fastest round's time per call; ratio = plugin time /
-raw time (the plugin's overhead; 1.00 = none). algbw = bytes / time.
+raw time (the plugin's overhead; 1.00 = none). algbw = bytes / time. ``mpi stage`` is the mpi
+plugin's own work per call (choosing the buffer, no communication), which machine load hardly moves.
 
 Part 2: payload bytes per rank per step handed to collectives (what ``bytes_sent_per_step`` reports)
 for torch DDP (``gradient_as_bucket_view=True``, counted by a communication hook) and for SDP at C=1
@@ -71,7 +72,12 @@ def bandwidth(gloo, mpi, MPI) -> list[dict]:
             arr.fill(1.0)
         # The fastest round is the one least disturbed by other processes on the machine.
         med = {k: min(v) for k, v in samples.items()}
-        rows.append({"bytes": size, "reps": reps, **{f"{k}_s": v for k, v in med.items()},
+        # The mpi plugin's own work per call, without communication (robust to machine load).
+        t0 = time.perf_counter()
+        for _ in range(200):
+            mpi._stage(t, widen=True)
+        stage = (time.perf_counter() - t0) / 200
+        rows.append({"bytes": size, "reps": reps, **{f"{k}_s": v for k, v in med.items()}, "mpi_stage_s": stage,
                      "gloo_ratio": med["gloo_plugin"] / med["gloo_raw"], "mpi_ratio": med["mpi_plugin"] / med["mpi_raw"]})
     return rows
 
@@ -175,13 +181,13 @@ def main() -> None:
         print(f"\nall-reduce, 2 ranks, fp32, fastest of {ROUNDS} rounds ({t_bw:.0f} s; load average before "
               f"{load[0]:.1f} on {os.cpu_count()} cores)")
         print(f"{'bytes':>9} {'gloo raw':>10} {'gloo plug':>10} {'ratio':>6} {'algbw GB/s':>10} "
-              f"{'mpi raw':>10} {'mpi plug':>10} {'ratio':>6} {'algbw GB/s':>10}")
+              f"{'mpi raw':>10} {'mpi plug':>10} {'ratio':>6} {'algbw GB/s':>10} {'mpi stage':>10}")
         for r in rows:
             b = r["bytes"]
             label = f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
             print(f"{label:>9} {r['gloo_raw_s'] * 1e6:>8.0f}us {r['gloo_plugin_s'] * 1e6:>8.0f}us {r['gloo_ratio']:>6.2f} "
                   f"{b / r['gloo_plugin_s'] / 1e9:>10.3f} {r['mpi_raw_s'] * 1e6:>8.0f}us {r['mpi_plugin_s'] * 1e6:>8.0f}us "
-                  f"{r['mpi_ratio']:>6.2f} {b / r['mpi_plugin_s'] / 1e9:>10.3f}")
+                  f"{r['mpi_ratio']:>6.2f} {b / r['mpi_plugin_s'] / 1e9:>10.3f} {r['mpi_stage_s'] * 1e6:>8.1f}us")
         print(f"\nbytes per rank per step, {sizes['model']}, 2 ranks (payload; ring wire = payload at k = 2)")
         print(f"  DDP (comm hook):      {sizes['ddp_bytes_per_step'] / 2**20:8.2f} MiB")
         for c in ("1", "0.5"):

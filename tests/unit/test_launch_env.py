@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from subnetdp import cli
+from subnetdp.core.config import compose
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.core.metrics import bytes_by_group, tensor_digest
@@ -98,6 +100,10 @@ def test_nccl_refuses_a_machine_without_gpus():
     with pytest.raises(ConfigError) as e:
         comm.check_environment()
     assert "comm.name='nccl': needs one CUDA GPU per process" in str(e.value) and "comm.name=gloo" in str(e.value)
+    with pytest.raises(ConfigError, match="train.device='cpu': comm.name=nccl computes on cuda:LOCAL_RANK"):
+        compose(None, ["comm.name=nccl", "train.device=cpu"])
+    with pytest.raises(ConfigError, match="train.device='cuda': comm.device=cpu holds the tensors — set comm.device=cuda"):
+        compose(None, ["comm.name=mpi", "train.device=cuda"])
 
 
 def test_mpi_outside_mpirun_names_both_worlds():
@@ -137,3 +143,18 @@ def test_bytes_by_group_and_parameter_digest():
     assert tensor_digest(a) != tensor_digest(b)
     half = copy.deepcopy(a).to(torch.bfloat16)  # bf16 has no numpy dtype: hashed as bytes
     assert tensor_digest(half) == tensor_digest(copy.deepcopy(half)) != tensor_digest(a)
+
+
+def test_rendezvous_under_srun_and_a_torchrun_without_master(monkeypatch):
+    from subnetdp.launchers import rendezvous
+
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[003-004]")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    rendezvous(LaunchEnv(1, 4, 1, 2, "srun"))  # every rank derives the same address and port
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu003", "15077")
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var)
+    with pytest.raises(SubnetdpError, match="MASTER_ADDR and MASTER_PORT are not set for a 2-process torchrun"):
+        rendezvous(LaunchEnv(0, 2, 0, 2, "torchrun"))

@@ -89,6 +89,9 @@ class MpiCommunicator(Communicator):
     def validate_config(cls, node: Any, cfg: Any) -> None:
         if str(node.device) not in DEVICE_CHOICES:
             raise ConfigError("comm.device", node.device, f"valid choices: {', '.join(DEVICE_CHOICES)}")
+        if cfg is not None and str(cfg.train.device) not in ("auto", str(node.device)):
+            raise ConfigError("train.device", cfg.train.device, f"comm.device={node.device} holds the tensors",
+                              f"set comm.device={cfg.train.device} too, or train.device=auto")
 
     @property
     def device(self) -> torch.device:

@@ -27,6 +27,12 @@ class NcclCommunicator(TorchDistCommunicator):
     def device(self) -> torch.device:
         return torch.device("cuda", self.local_rank)
 
+    @classmethod
+    def validate_config(cls, node: Any, cfg: Any) -> None:
+        if str(cfg.train.device) == "cpu":
+            raise ConfigError("train.device", "cpu", f"comm.name={node.name} computes on cuda:LOCAL_RANK",
+                              "use train.device=auto (or cuda), or comm.name=gloo to train on CPUs")
+
     def check_environment(self) -> None:
         """Raise a :class:`ConfigError` before any process group when NCCL cannot run here."""
         name = str(self.cfg.name)
