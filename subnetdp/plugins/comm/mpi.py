@@ -32,9 +32,11 @@ DEVICE_CHOICES = ("cpu", "cuda")
 _WIDEN = (torch.bfloat16, torch.float16)
 
 
-def mpi_cuda_aware(MPI: Any) -> bool:
-    """Whether the loaded MPI library accepts CUDA device pointers (``MPIX_Query_cuda_support``)."""
-    del MPI  # imported by the caller: libmpi is mapped into the process by now
+def mpi_cuda_aware() -> bool:
+    """Whether the loaded MPI library accepts CUDA device pointers (``MPIX_Query_cuda_support``).
+
+    Call after importing ``mpi4py.MPI``, when libmpi is mapped into the process.
+    """
     libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/libmpi" in line})
     for path in libs:
         try:
@@ -119,8 +121,10 @@ class MpiCommunicator(Communicator):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         aware = self.cfg.cuda_aware
-        self._cuda_aware = mpi_cuda_aware(self.MPI) if aware is None else bool(aware)
-        self._comms[self.world] = self.MPI.COMM_WORLD
+        self._cuda_aware = mpi_cuda_aware() if aware is None else bool(aware)
+        # collective: every rank reaches this. A duplicate keeps our traffic apart from any other
+        # library's on COMM_WORLD (what a library is expected to do).
+        self._comms[self.world] = self.MPI.COMM_WORLD.Dup()
 
     @property
     def cuda_aware(self) -> bool:
@@ -130,7 +134,7 @@ class MpiCommunicator(Communicator):
         key = tuple(sorted(ranks))
         if key in self._comms:
             return
-        world = self.MPI.COMM_WORLD
+        world = self._comms[self.world]
         member = self.rank in key
         # collective: every rank splits the world for every group, in the same order, member or not;
         # key=rank keeps the sub-communicator's ranks in global order (sub-rank i = key[i]).
@@ -205,16 +209,16 @@ class MpiCommunicator(Communicator):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         # collective: every rank reaches this.
-        return list(self.MPI.COMM_WORLD.allgather(obj))
+        return list(self._comm(None).allgather(obj))
 
     def barrier(self) -> None:
         # collective: every rank reaches this.
-        self.MPI.COMM_WORLD.Barrier()
+        self._comm(None).Barrier()
 
     def shutdown(self) -> None:
-        """Free the sub-communicators; MPI itself is finalised by mpi4py at exit."""
-        for key, comm in self._comms.items():
-            if comm is not None and key != self.world:
+        """Free our communicators; MPI itself is finalised by mpi4py at exit."""
+        for comm in self._comms.values():
+            if comm is not None:
                 comm.Free()
         self._comms.clear()
 
