@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,27 @@ def test_mpi_sub_communicators_average_only_inside_owner_sets(tmp_path):
                  str(tmp_path)])
     assert sorted(line for line in proc.stdout.splitlines() if line.endswith(": ok")) == \
         ["rank 0: ok", "rank 1: ok", "rank 2: ok"]
+
+
+def test_world_of_four_with_two_arrivals_times_out_naming_expected_and_arrived(tmp_path):
+    """torchrun's variables promise 4 processes; only 2 start: both stop after comm.timeout_s, not a hang."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(
+            [PY, "-m", "subnetdp", "train", "comm.timeout_s=3", "train.steps=1", "train.progress=false",
+             "model.variant=resnet18", f"run.dir={tmp_path}"], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    errs = []
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err[-3000:]
+        errs.append(err.strip().splitlines()[-1])
+    assert errs[0].startswith(f"subnetdp: error: comm.name=gloo: only 2 of 4 processes arrived at 127.0.0.1:{port} "
+                              "within comm.timeout_s=3 s"), errs[0]
+    assert errs[1].startswith("subnetdp: error: comm.name=gloo: rank 1 of 4 could not meet the others"), errs[1]
+    assert all("raise comm.timeout_s" in e for e in errs)
