@@ -41,11 +41,11 @@ def launch_command(launcher: str, nproc: int, train_args: Sequence[str], mpirun:
         raise ConfigError("--launcher", launcher, f"valid choices: {', '.join(LAUNCHERS)}")
     if nproc < 1:
         raise ConfigError("--nproc", nproc, "must be >= 1")
-    program = [sys.executable, "-m", "subnetdp", "train", *train_args]
     if launcher == "torchrun":
         # python -m torch.distributed.run is torchrun, without relying on the script being on PATH.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 *extra, "-m", "subnetdp", "train", *train_args]
+    program = [sys.executable, "-m", "subnetdp", "train", *train_args]
     if launcher == "mpirun":
         exe = Path(mpirun) if mpirun else venv_mpirun()
         if not exe.exists() and shutil.which(str(exe)) is None:

@@ -45,6 +45,10 @@ def check_collectives(comm: MpiCommunicator) -> None:
         t = torch.full((1000,), rank + 0.5, dtype=dtype)
         comm.all_reduce(t, world).wait()
         assert t.dtype == dtype and torch.equal(t, torch.full((1000,), 4.5, dtype=dtype)), (dtype, t[:4])
+    # A transposed bf16 tensor (dense, not contiguous) is widened into a contiguous fp32 copy and back.
+    tb = torch.full((3, 5), rank + 0.25, dtype=torch.bfloat16).t()
+    comm.all_reduce(tb, world)
+    assert torch.equal(tb, torch.full((5, 3), 3.75, dtype=torch.bfloat16)), tb
     # A non-contiguous view is reduced through a copy and written back; its neighbours stay.
     m = torch.full((4, 6), float(rank))
     comm.all_reduce(m[:, ::2], world, async_op=True).wait()

@@ -156,7 +156,7 @@ class MpiCommunicator(Communicator):
         """An MPI buffer for ``tensor`` and what copies the result back into it (nothing when in place)."""
         work = tensor.detach()
         if widen and work.dtype in _WIDEN:
-            work = work.float()
+            work = work.to(torch.float32, memory_format=torch.contiguous_format)
         elif not work.is_contiguous():
             work = work.contiguous()
         if work.is_cuda and not self._cuda_aware:
@@ -175,11 +175,12 @@ class MpiCommunicator(Communicator):
         return self._buffer(work), copy_back
 
     def _buffer(self, t: torch.Tensor) -> Any:
-        if t.is_cuda:
-            return t  # __cuda_array_interface__: a CUDA-aware MPI reads the device pointer
-        if t.dtype in _WIDEN or t.dtype == torch.bool:
-            return t.reshape(-1).view(torch.uint8).numpy()  # bytes only (broadcast)
-        return t.reshape(-1).numpy()  # a view: no copy
+        """What mpi4py reads: a numpy view of a CPU tensor, the CUDA tensor itself (its
+        ``__cuda_array_interface__``); dtypes without an MPI type travel as bytes (broadcast only)."""
+        flat = t.reshape(-1)  # a view: t is contiguous here
+        if flat.dtype in _WIDEN or flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        return flat if flat.is_cuda else flat.numpy()
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
