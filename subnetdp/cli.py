@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=("torchrun", "mpirun", "srun"), default="torchrun")
     p.add_argument("--nproc", type=int, required=True, help="number of processes")
     p.add_argument("--mpirun", default=None, metavar="PATH", help="the mpirun to use (default: beside python)")
-    p.add_argument("--launcher-args", default="", metavar="'ARGS'", help="extra launcher options, one string")
+    p.add_argument("--launcher-args", default="", metavar="'ARGS'", help="extra launcher options as one string, written with '=': --launcher-args='--bind-to core'")
     p.add_argument("--dry-run", action="store_true", help="print the command without running it")
     p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
                    help="a recipe file or built-in recipe name, then config overrides")
