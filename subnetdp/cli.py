@@ -1,4 +1,4 @@
-"""``subnetdp`` command line: train, plugins."""
+"""``subnetdp`` command line: train, launch, plugins."""
 
 from __future__ import annotations
 
@@ -51,6 +51,24 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(ns: argparse.Namespace) -> int:
+    from subnetdp.core.config import compose
+    from subnetdp.core.errors import ConfigError
+    from subnetdp.core.loop import preflight
+    from subnetdp.core.plugins import PluginManager
+    from subnetdp.launchers.command import run_launch
+
+    recipe, overrides = _split_args(ns.args)
+    pm = PluginManager()
+    cfg = compose(recipe, overrides, pm.registries)
+    if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
+        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
+                          "use --launcher mpirun, or comm.name=gloo")
+    preflight(cfg, ns.nproc, pm)  # a bad config or plan fails here, before any worker starts
+    return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
+                      ns.launcher_args.split(), ns.dry_run)
+
+
 def cmd_plugins(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager, format_table
 
@@ -75,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
                    help="a recipe file or built-in recipe name, then config overrides")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("launch", help="start a recipe under torchrun, mpirun or srun",
+                       description="Start N workers of `subnetdp train RECIPE [key=value ...]` under a launcher, "
+                                   "printing the exact command first. mpirun is the one beside this Python "
+                                   "(the mpich wheel's), unless --mpirun names another.")
+    p.add_argument("--launcher", choices=("torchrun", "mpirun", "srun"), default="torchrun")
+    p.add_argument("--nproc", type=int, required=True, help="number of processes")
+    p.add_argument("--mpirun", default=None, metavar="PATH", help="the mpirun to use (default: beside python)")
+    p.add_argument("--launcher-args", default="", metavar="'ARGS'", help="extra launcher options as one string, written with '=': --launcher-args='--bind-to core'")
+    p.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
+                   help="a recipe file or built-in recipe name, then config overrides")
+    p.set_defaults(func=cmd_launch)
     p = sub.add_parser("plugins", help="list installed plugins",
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -16,8 +16,8 @@ from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
                                      ParamMap, Partition)
 from subnetdp.core.errors import ConfigError, RankMismatchError
-from subnetdp.core.metrics import (RunLogger, TensorMemoryTracker, live_state_bytes, plan_figure,
-                                   training_state_tensors, write_json)
+from subnetdp.core.metrics import (RunLogger, TensorMemoryTracker, bytes_by_group, group_label, live_state_bytes,
+                                   plan_figure, tensor_digest, training_state_tensors, write_json)
 from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
@@ -161,6 +161,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     pm.hook.subnetdp_on_run_start(run=run)
     bar = _progress(cfg, rank, steps)
     loss_sum, loss_n, step_times, sync_bytes, wire = 0.0, 0, [], 0, 0.0
+    group_bytes: dict[tuple[int, ...], int] = {}  # payload per owner group, summed over steps
     peak_cpu = 0
     model.train()
     for step in range(1, steps + 1):
@@ -171,6 +172,7 @@ def _train(run: Run, pm: PluginManager) -> None:
         with tracker:
             averager.prepare()
             before, before_wire = comm.bytes.total(), comm.bytes.ring_estimate()
+            before_groups = dict(comm.bytes.by_group)
             step_loss = torch.zeros((), device=device)
             for micro in range(accum):
                 batch = _to_device(next(batches), device)
@@ -181,6 +183,8 @@ def _train(run: Run, pm: PluginManager) -> None:
             averager.finish()  # collective: owner groups average this step's gradients
             sync_bytes += comm.bytes.total() - before
             wire += comm.bytes.ring_estimate() - before_wire
+            for g, n in comm.bytes.by_group.items():
+                group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
             log_step = step % int(cfg.train.log_every) == 0 or step == steps
             clip = float(cfg.optim.clip_grad_norm)
             grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
@@ -212,6 +216,8 @@ def _train(run: Run, pm: PluginManager) -> None:
             log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / step,
                                "rank/wire_bytes_per_step": wire / step,
                                "rank/peak_memory_bytes": peak_cpu or _peak_memory(device)}, per_rank=True)
+            log.scalars(step, {f"rank/bytes_by_group/{group_label(g)}": n / step for g, n in group_bytes.items()},
+                        per_rank=True)
             _progress_line(bar, record)
         eval_every = int(cfg.eval.every)
         if step == steps or (eval_every and step % eval_every == 0):
@@ -223,7 +229,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     if bar is not None:
         bar.close()
     run.summary = _summarise(run, step_times, sync_bytes / steps, wire / steps,
-                             peak_cpu or _peak_memory(device))
+                             peak_cpu or _peak_memory(device), group_bytes)
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
 
@@ -260,13 +266,15 @@ def _write_start(run: Run, log: RunLogger) -> None:
 
 
 def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_per_step: float,
-               peak: int) -> dict[str, Any]:
+               peak: int, group_bytes: dict[tuple[int, ...], int] | None = None) -> dict[str, Any]:
     params_held = sum(p.numel() for p in run.model.parameters())
     warm = step_times[1:] or step_times  # the first step pays one-off set-up costs
     mine = {"rank": run.rank, "params_held": params_held, "peak_memory_bytes": peak,
             "memory_measured_by": "cuda allocator" if run.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
-            "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank]}
+            "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank],
+            "bytes_by_group": bytes_by_group(group_bytes or {}, max(run.step, 1)),
+            "params_sha256": tensor_digest(run.model)}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,

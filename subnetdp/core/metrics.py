@@ -8,6 +8,7 @@ the buffers a communication library keeps for itself.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import weakref
@@ -161,3 +162,32 @@ def write_json(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def group_label(group: tuple[int, ...]) -> str:
+    """A group's name in TensorBoard tags and JSON keys: its ranks joined by ``-`` (``0-2-3``)."""
+    return "-".join(str(r) for r in group)
+
+
+def bytes_by_group(payload: dict[tuple[int, ...], int], steps: int) -> dict[str, dict[str, float]]:
+    """Per owner group: payload bytes per step and the ring all-reduce wire estimate ``2(k-1)/k`` x payload."""
+    out = {}
+    for group in sorted(payload, key=lambda g: (len(g), g)):
+        per_step = payload[group] / steps
+        k = len(group)
+        out[group_label(group)] = {"k": k, "payload_bytes_per_step": per_step,
+                                   "wire_bytes_per_step_ring": 2 * (k - 1) / k * per_step if k > 1 else 0.0}
+    return out
+
+
+def tensor_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a rank's parameters and buffers (names, dtypes, shapes, bytes) in module order.
+
+    Two ranks, runs or launch modes holding bit-identical tensors give the same digest.
+    """
+    h = hashlib.sha256()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{flat.dtype}:{tuple(t.shape)};".encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()

@@ -1,32 +1,150 @@
 """Where a process sits (rank, world size) and how local workers are started.
 
-Only this package, ``subnetdp.plugins.comm`` and ``subnetdp.parallel`` import ``torch.distributed``.
+:func:`detect` reads the environment a launcher leaves behind:
+
+- ``torchrun`` (and ``subnetdp train launch.nproc=N``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``;
+- ``mpirun`` of Open MPI: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``;
+- ``mpirun`` / ``mpiexec`` of MPICH (Hydra): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
+  ``MPI_LOCALNRANKS``;
+- SLURM ``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (or ``SLURM_NTASKS``), ``SLURM_LOCALID``,
+  ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_NODEID``. Only inside a job step (``SLURM_STEP_ID`` set): a
+  batch script itself is one process, whatever ``SLURM_NTASKS`` says.
+
+The first family found wins, in that order, so ``torchrun`` started inside an ``srun`` step reads
+torchrun's ranks. :func:`rendezvous` then gives ``torch.distributed`` (gloo, nccl) the
+``MASTER_ADDR`` / ``MASTER_PORT`` that mpirun and srun do not set.
+
+Only this package, ``subnetdp.plugins.comm`` and ``subnetdp.parallel`` import ``torch.distributed``
+or ``mpi4py``.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
+from typing import Mapping
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import SubnetdpError
 
+# launcher -> (rank, world size, local rank, local world size) variables
+FAMILIES: dict[str, tuple[str, str, str, str]] = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+               "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mpirun:mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
 
-def _int(name: str) -> int:
-    value = os.environ[name]
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
     try:
         return int(value)
     except ValueError:
-        raise SubnetdpError(f"environment variable {name}={value!r} is not an integer") from None
+        raise SubnetdpError(f"environment variable {name}={value!r} is not an integer: "
+                            "the launcher's environment is inconsistent") from None
 
 
-def detect() -> LaunchEnv:
-    """Read rank and world size from a torchrun launch, or a single process when there is none."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = _int("RANK"), _int("WORLD_SIZE")
-        local_rank = _int("LOCAL_RANK") if "LOCAL_RANK" in env else 0
-        local_world = _int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
-        if not 0 <= rank < world:
-            raise SubnetdpError(f"RANK={rank} is outside WORLD_SIZE={world}: the launcher's environment is inconsistent")
-        return LaunchEnv(rank, world, local_rank, local_world, "torchrun")
+def _checked(launcher: str, names: tuple[str, str, str, str], rank: int, world: int, local_rank: int,
+             local_world: int) -> LaunchEnv:
+    r, w, lr, lw = names
+    if world < 1:
+        raise SubnetdpError(f"{w}={world}: a world needs at least one process ({launcher} launch)")
+    if not 0 <= rank < world:
+        raise SubnetdpError(f"{r}={rank} is outside {w}={world}: the {launcher} environment is inconsistent")
+    if not 0 <= local_rank < local_world or local_world > world:
+        raise SubnetdpError(f"{lr}={local_rank} with {lw}={local_world} does not fit {w}={world}: "
+                            f"the {launcher} environment is inconsistent")
+    return LaunchEnv(rank, world, local_rank, local_world, launcher.split(":")[0])
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from SLURM's compressed list, e.g. ``"2(x3),1"`` -> 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise SubnetdpError(f"cannot read SLURM's task list {tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise SubnetdpError(f"SLURM_NODEID={node_id} is outside the task list {tasks_per_node!r}")
+    return counts[node_id]
+
+
+def _slurm(env: Mapping[str, str]) -> LaunchEnv:
+    world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    if world_var not in env:
+        raise SubnetdpError("srun set SLURM_PROCID but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS: "
+                            "the srun environment is inconsistent")
+    rank, world = _int(env, "SLURM_PROCID"), _int(env, world_var)
+    local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node and "SLURM_NODEID" in env:
+        local_world = slurm_tasks_on_node(per_node, _int(env, "SLURM_NODEID"))
+    else:
+        local_world = world
+    names = ("SLURM_PROCID", world_var, "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE")
+    return _checked("srun", names, rank, world, local_rank, local_world)
+
+
+def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Rank and world size from torchrun, mpirun (Open MPI, MPICH) or srun; one process when none."""
+    env = os.environ if environ is None else environ
+    for launcher, names in FAMILIES.items():
+        r, w, lr, lw = names
+        if r in env and w in env:
+            rank, world = _int(env, r), _int(env, w)
+            local_rank = _int(env, lr) if lr in env else 0
+            local_world = _int(env, lw) if lw in env else world
+            return _checked(launcher, names, rank, world, local_rank, local_world)
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        return _slurm(env)
     return LaunchEnv()
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[003-004,010],cpu1"`` -> ``"gpu003"``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if m is None:
+        raise SubnetdpError(f"cannot read SLURM's node list {nodelist!r}: set MASTER_ADDR yourself")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; no fixed ports)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def rendezvous(env: LaunchEnv) -> None:
+    """Set ``MASTER_ADDR`` / ``MASTER_PORT`` for ``torch.distributed`` ``env://`` when unset.
+
+    torchrun sets them itself. Under mpirun, rank 0 picks a free port and its address and
+    broadcasts both over MPI (mpi4py). Under srun, every rank derives the same values from the job:
+    the first host of the step's node list and a port from the job id.
+    """
+    if env.world_size == 1 or ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        return
+    if env.launcher == "mpirun":
+        from subnetdp.launchers.mpi import broadcast_from_rank0
+
+        def mine() -> tuple[str, str]:
+            host = "127.0.0.1" if env.local_world_size == env.world_size else socket.gethostname()
+            return os.environ.get("MASTER_ADDR", host), os.environ.get("MASTER_PORT", str(free_port()))
+
+        # collective: every rank reaches this; rank 0's address and port win.
+        addr, port = broadcast_from_rank0(mine)
+    elif env.launcher == "srun":
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        addr = os.environ.get("MASTER_ADDR", first_slurm_host(nodes))
+        port = os.environ.get("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+    else:
+        raise SubnetdpError(f"MASTER_ADDR and MASTER_PORT are not set for a {env.world_size}-process "
+                            f"{env.launcher} launch: set both (torchrun does) or use comm.init_method")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.errors import ConfigError
 from subnetdp.core.loop import train
 from tests.helpers import plugin_manager, small_config
 
@@ -30,6 +31,11 @@ def test_plugin_runs_two_steps(kind, name, tmp_path):
     if kind != "model":
         overrides.append("model.variant=resnet18")
     cfg = small_config(*overrides, recipe=None, run_dir=tmp_path)
+    if (kind, name) == ("comm", "nccl") and not torch.cuda.is_available():
+        # Without a GPU, nccl must refuse clearly, before any process group (run on a GPU otherwise).
+        with pytest.raises(ConfigError, match=r"comm.name='nccl': needs one CUDA GPU per process.*comm.name=gloo"):
+            train(cfg, LaunchEnv(), PM)
+        return
     run = train(cfg, LaunchEnv(), PM)
     assert run.step == 2
     assert run.summary["ranks"][0]["params_held"] == run.summary["full_model_params"]

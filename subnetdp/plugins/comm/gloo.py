@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import os
+import re
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from subnetdp.core.contracts import Communicator, Handle
+from subnetdp.core.errors import SubnetdpError
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.launchers import rendezvous
 
 
 class WorkHandle(Handle):
@@ -23,6 +27,25 @@ class WorkHandle(Handle):
             self.work.wait()
 
 
+def arrival_error(comm: Communicator, init_method: str, timeout: float, error: BaseException) -> str:
+    """A message for a world that did not assemble: how many processes were expected, how many came."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+             if init_method == "env://" else init_method)
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        arrived = f"only {joined.group(1)} of {comm.world_size} processes arrived"  # rank 0 counts itself
+    elif "timed out" in text.lower() or "timeout" in text.lower():
+        arrived = f"rank {comm.rank} of {comm.world_size} could not meet the others"
+    else:
+        return (f"comm.name={comm.cfg.name}: creating the {comm.world_size}-process group at {where} failed: "
+                f"{text}")
+    return (f"comm.name={comm.cfg.name}: {arrived} at {where} within comm.timeout_s={timeout:g} s "
+            f"(the launcher promised world size {comm.world_size}; {comm.env.launcher} launch). Start "
+            f"exactly {comm.world_size} processes with the same MASTER_ADDR/MASTER_PORT, or raise "
+            f"comm.timeout_s if some start late. ({text})")
+
+
 class TorchDistCommunicator(Communicator):
     """Shared code of the ``torch.distributed`` backends; subclasses set ``backend``."""
 
@@ -34,14 +57,24 @@ class TorchDistCommunicator(Communicator):
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
-        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(self.cfg.timeout_s))}
+        timeout = float(self.cfg.timeout_s)
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout), **self._init_kwargs()}
         init_method = str(self.cfg.init_method)
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
         else:
+            if init_method == "env://":
+                rendezvous(self.env)  # mpirun / srun: MASTER_ADDR and MASTER_PORT from rank 0
             kwargs["init_method"] = init_method
-        dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        try:
+            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        except (dist.DistError, RuntimeError, ValueError) as e:
+            raise SubnetdpError(arrival_error(self, init_method, timeout, e)) from None
         self._groups[self.world] = dist.group.WORLD
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        """Extra ``init_process_group`` arguments of a backend (NCCL binds its device)."""
+        return {}
 
     def new_group(self, ranks: Sequence[int]) -> None:
         key = tuple(sorted(ranks))
