@@ -35,7 +35,7 @@ from subnetdp.plugins.data._token_shards import write_shard
 
 EOT = "<|endoftext|>"
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".py")
-FINEWEB_URL = "{endpoint}/datasets/HuggingFaceFW/fineweb/resolve/main/sample/10BT/{index:03d}_00000.parquet"
+FINEWEB_REPO, FINEWEB_DIR = "HuggingFaceFW/fineweb", "sample/10BT"
 
 
 # ----------------------------------------------------------------------------- documents
@@ -279,8 +279,10 @@ def build_stdlib_corpus(out: str | Path, tokenizer: str = "bytes", vocab_size: i
 def download_fineweb(out: str | Path, files: int = 1) -> list[Path]:
     """Download the first ``files`` parquet files (about 2 GB each) of FineWeb ``sample-10BT``.
 
-    Uses ``HF_ENDPOINT`` (default ``https://huggingface.co``) and ``HF_TOKEN`` if set; a file that is
-    already complete is not downloaded again. Not exercised by the tests (no internet there).
+    The file list comes from the Hugging Face hub's tree API; each file is streamed to a ``.part``
+    name and renamed when complete, so a finished file is never fetched twice and an interrupted one
+    is fetched again. Uses ``HF_ENDPOINT`` (default ``https://huggingface.co``) and ``HF_TOKEN`` if set.
+    Not exercised by the tests (no internet there).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,16 +290,29 @@ def download_fineweb(out: str | Path, files: int = 1) -> list[Path]:
     headers = {"User-Agent": "subnetdp"}
     if os.environ.get("HF_TOKEN"):
         headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+
+    def get(url: str):
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60)
+
+    try:
+        with get(f"{endpoint}/api/datasets/{FINEWEB_REPO}/tree/main/{FINEWEB_DIR}") as r:
+            listing = json.load(r)
+    except OSError as e:
+        raise SubnetdpError(f"prepare-text --fineweb: cannot list {endpoint}/datasets/{FINEWEB_REPO} ({e}); "
+                            "this needs internet access (or HF_ENDPOINT pointing at a mirror)") from None
+    names = sorted(item["path"] for item in listing if str(item.get("path", "")).endswith(".parquet"))
+    if files > len(names):
+        raise SubnetdpError(f"prepare-text --fineweb {files}: {FINEWEB_DIR} holds only {len(names)} files")
     paths = []
-    for index in range(files):
-        url = FINEWEB_URL.format(endpoint=endpoint, index=index)
-        dest = out / f"fineweb_sample10bt_{index:03d}.parquet"
+    for remote in names[:files]:
+        dest = out / Path(remote).name
         paths.append(dest)
         if dest.is_file():
             continue
-        part = dest.with_suffix(".part")
+        url = f"{endpoint}/datasets/{FINEWEB_REPO}/resolve/main/{remote}"
         print(f"downloading {url}", flush=True)
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as r, open(part, "wb") as f:
+        part = dest.with_suffix(".part")
+        with get(url) as r, open(part, "wb") as f:
             shutil.copyfileobj(r, f, length=1 << 22)
         os.replace(part, dest)
     return paths
