@@ -274,6 +274,7 @@ class LlamaAdapter(ModelAdapter):
         """Next-token cross entropy: ``batch = (tokens, targets)`` with targets shifted by one."""
         return F.cross_entropy(output.flatten(0, 1).float(), batch[1].flatten())
 
+    @torch.no_grad()
     def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
         total, count = 0.0, 0
         for logits, batch in zip(outputs, batches):
