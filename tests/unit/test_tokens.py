@@ -79,6 +79,12 @@ def test_prepare_text_shards_read_back_to_the_same_tokens(tmp_path, tokenizer, c
         assert [list(e) for e in expected] == _stream(tokens, tok.eot)  # the same tokens, in order
         assert [tok.decode(ids) for ids in _stream(tokens, tok.eot)] == docs  # and the same text
 
+    if tokenizer == "bpe":  # a saved tokenizer loaded with --tokenizer-file gives the same shards
+        again = tmp_path / "again"
+        assert main(args[:3] + [str(again), "--tokenizer", "bpe", "--tokenizer-file", str(out / "tokenizer.json"),
+                                "--val-fraction", "0.2", "--shard-tokens", "700"]) == 0
+        assert [f.read_bytes() for f in sorted(again.glob("*.bin"))] == [f.read_bytes() for f in sorted(out.glob("*.bin"))]
+
     # The data module reads them: vocabulary from meta.json, windows packed from the stream.
     data = _data(out, seq_len=16)
     data.check()

@@ -22,9 +22,10 @@ tiny     64     4       4      2         176     no    4,280,896 *
 (*) at vocabulary 32,000; with the byte tokenizer (257 tokens) ``tiny`` holds 217,792.
 
 Neuron level (not declared yet; it needs the sliced-tensor synchroniser): each block's SwiGLU hidden
-dimension would be cut into ``units_per_layer`` ranges ``[a, b)``, one unit each, with slices
-``TensorSlice("layers.i.mlp.w1.weight", 0, a, b)``, ``TensorSlice("layers.i.mlp.w3.weight", 0, a, b)``
-and ``TensorSlice("layers.i.mlp.w2.weight", 1, a, b)``, one group per layer (``layers.i.mlp``).
+dimension would be cut into ``units_per_layer`` ranges ``[a, b)``, one unit each, one group per
+layer (``layers.i.feed_forward``), with slices
+``TensorSlice("layers.i.feed_forward.w1.weight", 0, a, b)`` and ``...w3.weight", 0, a, b)`` (rows of
+gate and up) and ``TensorSlice("layers.i.feed_forward.w2.weight", 1, a, b)`` (columns of down).
 """
 
 from __future__ import annotations
