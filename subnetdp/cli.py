@@ -1,4 +1,4 @@
-"""``subnetdp`` command line: train, launch, plugins."""
+"""``subnetdp`` command line: train, launch, plugins, prepare-text."""
 
 from __future__ import annotations
 
@@ -83,6 +83,12 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_text(ns: argparse.Namespace) -> int:
+    from subnetdp.data_prep import prepare_text_command
+
+    return prepare_text_command(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="subnetdp", description="Subnetwork Data Parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -109,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plugins)
+    from subnetdp.data_prep import add_prepare_text_arguments
+
+    p = sub.add_parser("prepare-text", help="tokenise local text into token shards",
+                       description="Tokenise .txt/.jsonl/.parquet files (or the Python standard library, or "
+                                   "downloaded FineWeb) into FineWeb-layout token shards for data.name=tokens.")
+    add_prepare_text_arguments(p)
+    p.set_defaults(func=cmd_prepare_text)
     return parser
 
 

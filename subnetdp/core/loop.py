@@ -211,6 +211,8 @@ def _train(run: Run, pm: PluginManager) -> None:
             record = {"step": step, "train/loss": train_loss, "train/lr": metrics["lr"],
                       "train/grad_norm": grad_norm, "train/step_time_s": step_time,
                       "train/samples_per_s": samples_per_step / step_time}
+            if run.spec.seq_len:  # language models: tokens per second over all ranks
+                record["train/tokens_per_s"] = record["train/samples_per_s"] * run.spec.seq_len
             log.scalars(step, {k: v for k, v in record.items() if k != "step"})
             log.jsonl(record)
             log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / step,

@@ -1,0 +1,290 @@
+"""Model ``llama``: a compact LLaMA; units are its transformer blocks (block level, one group).
+
+The architecture is the usual one: token embedding, ``n_layers`` pre-norm blocks (RMSNorm,
+grouped-query attention with rotary position embeddings through
+``F.scaled_dot_product_attention``, RMSNorm, SwiGLU MLP), a final RMSNorm and a linear head, tied
+to the embedding or not. Every block is one unit; the embedding, the final norm and the head are
+shared. A dropped block is the identity (its two residual branches are zero), so a subnetwork is the
+same model with fewer blocks. Blocks live in an ``nn.ModuleDict`` keyed by their original index, so a
+subnetwork's parameter names are the full model's names.
+
+Variants (vocabulary 32,000; parameter counts exact, checked by a test):
+
+=======  =====  ======  =====  ========  ======  ====  =============
+variant  dim    layers  heads  kv heads  hidden  tied  parameters
+=======  =====  ======  =====  ========  ======  ====  =============
+tiny     64     4       4      2         176     no    4,280,896 *
+134m     768    12      12     12        2048    no    134,105,856
+500m     1536   16      24     8         4096    no    501,007,872
+1b       2048   16      32     8         8192    yes   1,038,682,112
+=======  =====  ======  =====  ========  ======  ====  =============
+
+(*) at vocabulary 32,000; with the byte tokenizer (257 tokens) ``tiny`` holds 217,792.
+
+Neuron level (not declared yet; it needs the sliced-tensor synchroniser): each block's SwiGLU hidden
+dimension would be cut into ``units_per_layer`` ranges ``[a, b)``, one unit each, one group per
+layer (``layers.i.feed_forward``), with slices
+``TensorSlice("layers.i.feed_forward.w1.weight", 0, a, b)`` and ``...w3.weight", 0, a, b)`` (rows of
+gate and up) and ``TensorSlice("layers.i.feed_forward.w2.weight", 1, a, b)`` (columns of down).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition, TensorSlice, Unit
+from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.hookspecs import hookimpl
+
+DEFAULT_VOCAB = 32_000
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The dimensions of one LLaMA."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    tie_embeddings: bool
+    vocab_size: int = DEFAULT_VOCAB
+    max_seq_len: int = 2048
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count, analytically (what ``sum(p.numel())`` of the built model gives)."""
+        hd = self.head_dim
+        attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2
+        block = attn + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return embed + self.n_layers * block + self.dim
+
+
+VARIANTS: dict[str, LlamaArgs] = {
+    "tiny": LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=176, tie_embeddings=False),
+    "134m": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048, tie_embeddings=False),
+    "500m": LlamaArgs(dim=1536, n_layers=16, n_heads=24, n_kv_heads=8, hidden_dim=4096, tie_embeddings=False),
+    "1b": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192, tie_embeddings=True),
+}
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of the angles ``t * theta^(-2i/head_dim)``, shape ``(seq_len, head_dim)``."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[i], x[i + d/2])`` of ``x`` (``..., seq, head_dim``) by each position's angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: gate ``w1``, up ``w3``, down ``w2`` (LLaMA's names)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: two residual branches (attention, MLP)."""
+
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.feed_forward = SwiGLU(a.dim, a.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """The reference model: ``Llama(LlamaArgs(...))(tokens)`` gives next-token logits ``(B, T, V)``."""
+
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.args = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleDict({str(i): Block(a) for i in range(a.n_layers)})
+        self.norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.reset_parameters()
+        if a.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) weights; the projections back into the residual stream scaled by 1/sqrt(2L)."""
+        std = self.args.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.args.n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary_tables(tokens.shape[1], self.args.head_dim, self.args.rope_theta, tokens.device)
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():  # a subnetwork holds only its own blocks
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    variant: str = "tiny"
+    vocab_size: int = 0  # 0: the data's vocabulary (32,000 when the data does not say)
+    tie_embeddings: Optional[bool] = None  # None: the variant's choice
+    rope_theta: float = 10_000.0
+    init_std: float = 0.02
+
+
+class LlamaAdapter(ModelAdapter):
+    """LLaMA with block-level units: every transformer block is one unit, all in one group."""
+
+    Config = LlamaConfig
+    granularities = ("block",)
+    data_kind = "tokens"
+
+    @classmethod
+    def validate_config(cls, cfg: Any, root: Any) -> None:
+        if cfg.variant not in VARIANTS:
+            raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
+                              + suggest(cfg.variant, VARIANTS))
+        if cfg.vocab_size < 0:
+            raise ConfigError("model.vocab_size", cfg.vocab_size, "must be >= 0", "0 takes the data's vocabulary")
+
+    def args(self, spec: DataSpec) -> LlamaArgs:
+        """The variant's dimensions with the vocabulary, sequence length and options filled in."""
+        base = VARIANTS[self.cfg.variant]
+        vocab = int(self.cfg.vocab_size) or spec.vocab_size or DEFAULT_VOCAB
+        if spec.vocab_size and vocab < spec.vocab_size:
+            raise ConfigError("model.vocab_size", vocab, f"is smaller than the data's vocabulary ({spec.vocab_size})",
+                              "set model.vocab_size=0 to take the data's")
+        tie = base.tie_embeddings if self.cfg.tie_embeddings is None else bool(self.cfg.tie_embeddings)
+        return LlamaArgs(base.dim, base.n_layers, base.n_heads, base.n_kv_heads, base.hidden_dim, tie, vocab,
+                         spec.seq_len or base.max_seq_len, float(self.cfg.rope_theta),
+                         base.norm_eps, float(self.cfg.init_std))
+
+    def build(self, spec: DataSpec) -> nn.Module:
+        return Llama(self.args(spec))
+
+    def reference_options(self, spec: DataSpec) -> dict[str, Any]:
+        """Rebuild an exported model with ``Llama(LlamaArgs(**options))``."""
+        return dict(self.args(spec).__dict__)
+
+    def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
+        if granularity != "block":
+            raise ConfigError("masker.granularity", granularity, "the llama adapter supports: block")
+        cost = self._block_cost(model, spec)
+        units, in_unit = [], set()
+        for key, block in model.layers.items():
+            params = tuple(TensorSlice(f"layers.{key}.{n}") for n, _ in block.named_parameters())
+            in_unit.update(s.name for s in params)
+            units.append(Unit(len(units), f"layers.{key}", "layers", cost, params))
+        shapes, dtypes = Partition.tensor_info(model)
+        shared = [n for n, _ in model.named_parameters() if n not in in_unit]
+        return Partition("block", units, shared, [n for n, _ in model.named_buffers()], shapes, dtypes)
+
+    @staticmethod
+    def _block_cost(model: Llama, spec: DataSpec) -> float:
+        """Forward FLOPs per sample of one block at the data's sequence length, measured with
+        ``FlopCounterMode`` under ``FakeTensorMode`` (nothing is computed, so it is instant even for
+        a 1B model). Every block has the same shape, so one measurement serves them all."""
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        block = next(iter(model.layers.values()))
+        seq = spec.seq_len or model.args.max_seq_len
+        fake = detect_fake_mode(list(block.parameters())) or FakeTensorMode(allow_non_fake_inputs=True)
+        counter = FlopCounterMode(display=False)
+        with fake, torch.no_grad(), counter:
+            x = torch.zeros(1, seq, model.args.dim)
+            cos, sin = rotary_tables(seq, model.args.head_dim, model.args.rope_theta)
+            block(x, cos, sin)
+        return float(counter.get_total_flops())
+
+    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition) -> tuple[nn.Module, ParamMap]:
+        keep = {partition.units[u].name for u in owned}
+        for key in list(model.layers.keys()):
+            if f"layers.{key}" not in keep:
+                del model.layers[key]  # a dropped block is the identity: nothing of it is kept
+        unit_of = {s.name: u.id for u in partition.units for s in u.slices}
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        return model, ParamMap.identity(names, unit_of)
+
+    def blocks(self, submodel: nn.Module) -> list[nn.Module]:
+        return list(submodel.layers.values())
+
+    def inputs(self, batch: Any) -> torch.Tensor:
+        return batch[0]
+
+    def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        """Next-token cross entropy: ``batch = (tokens, targets)`` with targets shifted by one."""
+        return F.cross_entropy(output.flatten(0, 1).float(), batch[1].flatten())
+
+    @torch.no_grad()
+    def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
+        total, count = 0.0, 0
+        for logits, batch in zip(outputs, batches):
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch[1].flatten(), reduction="sum"))
+            count += batch[1].numel()
+        loss = total / max(count, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+@hookimpl
+def subnetdp_register_models(registry) -> None:
+    registry.add("llama", LlamaAdapter)
