@@ -1,4 +1,4 @@
-"""``subnetdp`` command line: train, plugins."""
+"""``subnetdp`` command line: train, eval, export, plugins."""
 
 from __future__ import annotations
 
@@ -65,6 +65,45 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from subnetdp.export import evaluate_checkpoint
+
+    loaded, metrics = evaluate_checkpoint(ns.path)
+    if ns.json:
+        print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "eval": metrics}))
+    else:
+        print(f"{loaded.path} (step {loaded.manifest['step']}): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from subnetdp.export import export
+
+    out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate)
+    print(f"wrote {out / 'model.safetensors'} and {out / 'reference.json'}; rebuild with "
+          f"subnetdp.export.load_reference({str(out)!r})")
+    return 0
+
+
+def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint's union model",
+                       description="Evaluate the union model of a checkpoint, or of a run directory's newest "
+                                   "checkpoint, in one process (BatchNorm recalibrated as in the run).")
+    p.add_argument("path", metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("export", help="export a checkpoint as the plain reference model",
+                       description="Write the union model as the reference architecture's plain state_dict "
+                                   "(OUT/model.safetensors) and the options to rebuild it (OUT/reference.json); "
+                                   "rebuild with subnetdp.export.load_reference(OUT).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
+    p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("--no-recalibrate", action="store_true",
+                   help="keep the averaged BatchNorm statistics instead of recalibrating them")
+    p.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="subnetdp", description="Subnetwork Data Parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -79,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plugins)
+    _add_checkpoint_commands(sub)
     return parser
 
 

@@ -51,6 +51,7 @@ class TrainConfig:
     log_every: int = 10
     memory_step: int = 2
     progress: bool = True
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -75,6 +76,15 @@ class RunDirConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """``checkpoint.*``: see docs/checkpoints.md."""
+
+    enabled: bool = True
+    every: int = 0  # 0 = only at the end
+    keep: int = 2  # complete checkpoints kept, newest first; 0 = all
+
+
+@dataclass
 class RunConfig:
     """The non-plugin sections. Plugin groups (``model``, ``masker``, ``comm``, ``data``) are
     mounted from the selected plugin's ``Config`` at composition time."""
@@ -86,6 +96,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = "never"  # never | auto | PATH of a checkpoint
 
 
 CHOICES = {
@@ -95,6 +107,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32",),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 
@@ -269,6 +282,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "sync.max_groups", 1, None)
     _check_range(cfg, "launch.nproc", 1, None)
     _check_range(cfg, "launch.threads_per_rank", 0, None)
+    _check_checkpoint_keys(cfg)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
@@ -278,6 +292,20 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
         check = getattr(cls, "validate_config", None)
         if check is not None:
             check(cfg[group], cfg)
+
+
+def _check_checkpoint_keys(cfg: DictConfig) -> None:
+    """``checkpoint.*`` ranges and ``resume`` (``never``, ``auto`` or an existing path)."""
+    _check_range(cfg, "checkpoint.every", 0, None, fix="0 saves only at the end")
+    _check_range(cfg, "checkpoint.keep", 0, None, fix="0 keeps every checkpoint")
+    resume = str(cfg.resume)
+    if resume == "auto":
+        if not cfg.run.name:
+            raise ConfigError("resume", "auto", "needs a fixed run.name, so a restarted job finds its run directory",
+                              "add run.name=NAME (the same on every start)")
+    elif resume != "never" and not Path(resume).exists():
+        raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
+                          "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
 
 
 def to_yaml(cfg: DictConfig) -> str:
