@@ -142,15 +142,32 @@ def _load_yaml(path: Path, what: str) -> DictConfig:
 
 
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """``key=value`` strings into a config; anything else is an error naming the bad item."""
+    """``key=value`` strings into a config; anything else is an error naming the bad item's key."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError("override", item, "is not of the form key=value",
                               "write e.g. masker.coverage=0.5")
+        key, value = item.split("=", 1)
+        try:  # one by one, so an error names the key whose value YAML cannot read
+            OmegaConf.from_dotlist([item])
+        except Exception as e:  # YAML scanner/parser/constructor errors and OmegaConf's own
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(key, value, f"cannot be parsed as a YAML value ({first})",
+                              f"quote it, e.g. {key}='\"{value}\"'") from None
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _resolve(cfg: DictConfig) -> None:
+    """Resolve ``${...}`` interpolations once, so a bad one is a ConfigError naming its key."""
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError("override", " ".join(overrides), f"cannot be parsed: {e}") from None
+        key = str(getattr(e, "full_key", "") or "config")
+        msg = str(getattr(e, "msg", e)).splitlines()[0]
+        raw: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        raise ConfigError(key, raw, f"interpolation cannot be resolved: {msg}", "refer to an existing key, without cycles") from None
 
 
 def _shown(layer: DictConfig, key: Any) -> Any:
@@ -245,6 +262,7 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
         OmegaConf.set_struct(cfg, False)
         cfg[group] = node
         OmegaConf.set_struct(cfg, True)
+    _resolve(cfg)
     validate(cfg, registries)
     return cfg
 
