@@ -190,6 +190,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     loader = run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size))
     ckpt = Checkpointer(run, optimizer, scheduler, loader)
     first = ckpt.start() + 1  # collective: resumes from a checkpoint when cfg.resume asks for one
+    run.step = first - 1
     batches = iter(loader)
     accum = int(cfg.train.grad_accum)
     samples_per_step = comm.world_size * int(cfg.train.batch_size) * accum

@@ -1,8 +1,9 @@
 """Crashes, restarts and export through the real launcher (2 gloo ranks under ``torchrun``).
 
-One uninterrupted 6-step run is the reference. A run whose rank 1 is SIGKILLed after step 5 under
-``torchrun --max-restarts 1``, and a run killed inside a checkpoint write then resumed, must both end
-with exactly the reference's tensors. The reference's export must load into a plain torchvision
+One uninterrupted 6-step run is the reference. A run whose rank 1 is SIGKILLed after step 4 under
+``torchrun --max-restarts 1`` (restarted group: 3 steps from a checkpoint + resume to 6), and a run
+killed inside a checkpoint write then resumed (2 steps + resume to 6), must both end with exactly the
+reference's tensors: parameters, BatchNorm buffers, on both ranks. The reference's export must load into a plain torchvision
 ResNet-18 and score the accuracy the run reported for its union model.
 """
 
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from subnetdp.core import checkpoint as ck
-from subnetdp.export import load_reference, load_union
+from subnetdp.export import export, load_reference, load_union
 from tests.helpers import plugin_manager
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -60,15 +61,15 @@ def reference(tmp_path_factory) -> Path:
 
 
 def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_matches(reference, tmp_path):
-    proc = _torchrun(tmp_path, "killed", "resume=auto", restarts=1, env={ck.KILL_AT_STEP: "5"})
+    proc = _torchrun(tmp_path, "killed", "resume=auto", "checkpoint.every=3", restarts=1, env={ck.KILL_AT_STEP: "4"})
     run = tmp_path / "killed"
-    assert (run / f".{ck.KILL_AT_STEP.lower()}-5").exists()  # the kill really happened
-    assert f"resumed from {ck.step_dir(run, 4)} (step 4)" in proc.stdout
+    assert (run / f".{ck.KILL_AT_STEP.lower()}-4").exists()  # the kill really happened
+    assert f"resumed from {ck.step_dir(run, 3)} (step 3)" in proc.stdout
     _assert_same(_final_tensors(run), _final_tensors(reference))
     ref_summary = json.loads((reference / "summary.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval"] == ref_summary["eval"] and summary["steps"] == 6
-    assert [p.name for p in ck.complete_checkpoints(run)] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert [p.name for p in ck.complete_checkpoints(run)] == ["step_00000003", "step_00000006"]
 
 
 def test_kill_inside_a_checkpoint_write_keeps_the_previous_one(reference, tmp_path):
@@ -112,9 +113,7 @@ def test_export_loads_into_plain_torchvision_and_scores_the_run_metric(reference
     assert evaluated["step"] == 6 and evaluated["eval"]["accuracy"] == run_eval["accuracy"]
     assert evaluated["eval"]["loss"] == pytest.approx(run_eval["loss"], rel=1e-5)
 
-    out = subprocess.run([sys.executable, "-m", "subnetdp", "export", str(ck.step_dir(reference, 6)),
-                          str(tmp_path / "export")], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    export(ck.step_dir(reference, 6), tmp_path / "export", pm=plugin_manager())
     info = json.loads((tmp_path / "export" / "reference.json").read_text())
     assert info["options"] == {"variant": "resnet18", "num_classes": 10, "in_channels": 1, "cifar_stem": True,
                                "zero_init_residual": False}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Sequence
 
 import torch
@@ -36,8 +37,15 @@ class TorchDistCommunicator(Communicator):
         # collective: every rank reaches this; it creates the world process group.
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(self.cfg.timeout_s))}
         init_method = str(self.cfg.init_method)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
+        elif attempt is not None and init_method == "env://":
+            # torchrun keeps one agent store across restarts of the group, and the keys the process
+            # group writes carry no attempt number: a restarted rank could read a dead peer's
+            # address. A prefix per attempt keeps every attempt's keys apart.
+            store, _, _ = next(dist.rendezvous(init_method, self.rank, self.world_size, timeout=kwargs["timeout"]))
+            kwargs["store"] = dist.PrefixStore(f"subnetdp/attempt-{attempt}", store)
         else:
             kwargs["init_method"] = init_method
         dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size, **kwargs)
