@@ -172,3 +172,19 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
     step1, _ = ck.read_tensors(good / "rank_0.safetensors", ck.read_manifest(good), 0)
     params = dict(run.model.named_parameters())
     assert run.step == 3 and torch.equal(params["fc.weight"], step1["fc.weight"])
+
+
+def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
+    """2 steps, then ``resume=auto`` with ``train.steps=4``, equals 4 straight steps (AdamW state included)."""
+    extra = ("optim.name=adamw", "optim.lr=1e-3", "optim.schedule=constant")
+    straight = _train(tmp_path, "straight", "train.steps=4", *extra)
+    _train(tmp_path, "extended", "train.steps=2", "resume=auto", *extra)  # fresh start: no checkpoint yet
+    extended = _train(tmp_path, "extended", "train.steps=4", "resume=auto", *extra)
+    assert extended.step == 4
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), extended.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    sa, sb = straight.optimizer.state_dict()["state"], extended.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), (i, k)
