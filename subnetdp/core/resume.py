@@ -242,7 +242,10 @@ class Checkpointer:
         With ``train.on_nonfinite=stop`` a non-finite step raises :class:`NonFiniteError` on every
         rank (the last good checkpoint is untouched); with ``skip`` it returns False.
         """
-        bad = not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(g).all()) for g in grads)
+        # The max-norm propagates inf and NaN without a full-size temporary (a plain isfinite would
+        # allocate a mask as large as the gradients on the memory-measured step).
+        peaks = [torch.linalg.vector_norm(g, float("inf")) for g in grads if g.numel()]
+        bad = not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(p)) for p in peaks)
         flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=loss.device)
         flags[self.rank] = float(bad)
         saved = dict(self.comm.bytes.by_group)
