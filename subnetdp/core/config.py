@@ -193,6 +193,8 @@ def _check_keys(layer: Any, schema: Any, prefix: str, source: str) -> None:
         sub = layer._get_node(key)
         if isinstance(sub, DictConfig) and isinstance(child, DictConfig):
             _check_keys(sub, child, f"{full}.", source)
+        elif isinstance(sub, DictConfig) and isinstance(child, ListConfig):
+            raise ConfigError(full, "{...}", f"takes a list, not sub-keys (from {source})", f"write {full}=[...]")
 
 
 def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictConfig:
@@ -206,6 +208,9 @@ def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictC
         value = OmegaConf.select(layer, str(e.full_key)) if getattr(e, "full_key", None) else None
         msg = str(getattr(e, "msg", e)).splitlines()[0]
         raise ConfigError(key, value, f"wrong type ({source}): {msg}") from None
+    except (TypeError, ValueError) as e:  # OmegaConf lets a few container clashes through as these
+        key = prefix.rstrip(".") or ", ".join(map(str, layer.keys()))
+        raise ConfigError(key, None, f"cannot be merged ({source}): {e}") from None
 
 
 def compose(recipe: str | None = None, overrides: Sequence[str] = (),
