@@ -1,4 +1,4 @@
-"""``subnetdp`` command line: train, launch, plugins, prepare-text."""
+"""``subnetdp`` command line: train, launch, eval, export, plugins, prepare-text."""
 
 from __future__ import annotations
 
@@ -89,6 +89,45 @@ def cmd_prepare_text(ns: argparse.Namespace) -> int:
     return prepare_text_command(ns)
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from subnetdp.export import evaluate_checkpoint
+
+    loaded, metrics = evaluate_checkpoint(ns.path)
+    if ns.json:
+        print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "eval": metrics}))
+    else:
+        print(f"{loaded.path} (step {loaded.manifest['step']}): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from subnetdp.export import export
+
+    out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate)
+    print(f"wrote {out / 'model.safetensors'} and {out / 'reference.json'}; rebuild with "
+          f"subnetdp.export.load_reference({str(out)!r})")
+    return 0
+
+
+def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint's union model",
+                       description="Evaluate the union model of a checkpoint, or of a run directory's newest "
+                                   "checkpoint, in one process (BatchNorm recalibrated as in the run).")
+    p.add_argument("path", metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("export", help="export a checkpoint as the plain reference model",
+                       description="Write the union model as the reference architecture's plain state_dict "
+                                   "(OUT/model.safetensors) and the options to rebuild it (OUT/reference.json); "
+                                   "rebuild with subnetdp.export.load_reference(OUT).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
+    p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("--no-recalibrate", action="store_true",
+                   help="keep the averaged BatchNorm statistics instead of recalibrating them")
+    p.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="subnetdp", description="Subnetwork Data Parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -122,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "downloaded FineWeb) into FineWeb-layout token shards for data.name=tokens.")
     add_prepare_text_arguments(p)
     p.set_defaults(func=cmd_prepare_text)
+    _add_checkpoint_commands(sub)
     return parser
 
 

@@ -51,6 +51,7 @@ class TrainConfig:
     log_every: int = 10
     memory_step: int = 2
     progress: bool = True
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -75,6 +76,15 @@ class RunDirConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """``checkpoint.*``: see docs/checkpoints.md."""
+
+    enabled: bool = True
+    every: int = 0  # 0 = only at the end
+    keep: int = 2  # complete checkpoints kept, newest first; 0 = all
+
+
+@dataclass
 class RunConfig:
     """The non-plugin sections. Plugin groups (``model``, ``masker``, ``comm``, ``data``) are
     mounted from the selected plugin's ``Config`` at composition time."""
@@ -86,6 +96,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = "never"  # never | auto | PATH of a checkpoint
 
 
 CHOICES = {
@@ -95,6 +107,7 @@ CHOICES = {
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32",),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 
@@ -129,15 +142,32 @@ def _load_yaml(path: Path, what: str) -> DictConfig:
 
 
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """``key=value`` strings into a config; anything else is an error naming the bad item."""
+    """``key=value`` strings into a config; anything else is an error naming the bad item's key."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError("override", item, "is not of the form key=value",
                               "write e.g. masker.coverage=0.5")
+        key, value = item.split("=", 1)
+        try:  # one by one, so an error names the key whose value YAML cannot read
+            OmegaConf.from_dotlist([item])
+        except Exception as e:  # YAML scanner/parser/constructor errors and OmegaConf's own
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(key, value, f"cannot be parsed as a YAML value ({first})",
+                              f"quote it, e.g. {key}='\"{value}\"'") from None
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _resolve(cfg: DictConfig) -> None:
+    """Resolve ``${...}`` interpolations once, so a bad one is a ConfigError naming its key."""
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError("override", " ".join(overrides), f"cannot be parsed: {e}") from None
+        key = str(getattr(e, "full_key", "") or "config")
+        msg = str(getattr(e, "msg", e)).splitlines()[0]
+        raw: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        raise ConfigError(key, raw, f"interpolation cannot be resolved: {msg}", "refer to an existing key, without cycles") from None
 
 
 def _shown(layer: DictConfig, key: Any) -> Any:
@@ -163,6 +193,8 @@ def _check_keys(layer: Any, schema: Any, prefix: str, source: str) -> None:
         sub = layer._get_node(key)
         if isinstance(sub, DictConfig) and isinstance(child, DictConfig):
             _check_keys(sub, child, f"{full}.", source)
+        elif isinstance(sub, DictConfig) and isinstance(child, ListConfig):
+            raise ConfigError(full, "{...}", f"takes a list, not sub-keys (from {source})", f"write {full}=[...]")
 
 
 def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictConfig:
@@ -176,6 +208,9 @@ def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictC
         value = OmegaConf.select(layer, str(e.full_key)) if getattr(e, "full_key", None) else None
         msg = str(getattr(e, "msg", e)).splitlines()[0]
         raise ConfigError(key, value, f"wrong type ({source}): {msg}") from None
+    except (TypeError, ValueError) as e:  # OmegaConf lets a few container clashes through as these
+        key = prefix.rstrip(".") or ", ".join(map(str, layer.keys()))
+        raise ConfigError(key, None, f"cannot be merged ({source}): {e}") from None
 
 
 def compose(recipe: str | None = None, overrides: Sequence[str] = (),
@@ -232,6 +267,7 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
         OmegaConf.set_struct(cfg, False)
         cfg[group] = node
         OmegaConf.set_struct(cfg, True)
+    _resolve(cfg)
     validate(cfg, registries)
     return cfg
 
@@ -269,12 +305,27 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "sync.max_groups", 1, None)
     _check_range(cfg, "launch.nproc", 1, None)
     _check_range(cfg, "launch.threads_per_rank", 0, None)
+    _check_checkpoint_keys(cfg)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
+
+
+def _check_checkpoint_keys(cfg: DictConfig) -> None:
+    """``checkpoint.*`` ranges and ``resume`` (``never``, ``auto`` or an existing path)."""
+    _check_range(cfg, "checkpoint.every", 0, None, fix="0 saves only at the end")
+    _check_range(cfg, "checkpoint.keep", 0, None, fix="0 keeps every checkpoint")
+    resume = str(cfg.resume)
+    if resume == "auto":
+        if not cfg.run.name:
+            raise ConfigError("resume", "auto", "needs a fixed run.name, so a restarted job finds its run directory",
+                              "add run.name=NAME (the same on every start)")
+    elif resume != "never" and not Path(resume).exists():
+        raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
+                          "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
 
 
 def to_yaml(cfg: DictConfig) -> str:

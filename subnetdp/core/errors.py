@@ -36,6 +36,14 @@ class RankMismatchError(SubnetdpError):
     """Ranks started with different plans, configs or plugin versions."""
 
 
+class CheckpointError(SubnetdpError):
+    """A checkpoint is missing, incomplete, corrupted, foreign or incompatible with this run."""
+
+
+class NonFiniteError(SubnetdpError):
+    """The loss or the gradients became inf or NaN (``train.on_nonfinite=stop``)."""
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """Return ``" — did you mean 'x'?"`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)

@@ -10,12 +10,14 @@ Where each hook fires in the training loop (``subnetdp.core.loop.train``)::
     cfg = compose(defaults, recipe, overrides)    # schemas of the selected plugins mounted
     plan = masker.plan(partition, world_size)     # validated before any process group exists
     comm.init(); owner groups created once
+    resume from a checkpoint if cfg.resume says so   # every rank restores its own files
     subnetdp_on_run_start(run)
     for step in steps:
         forward/backward on own micro-batches -> owner-group gradient averaging -> optimizer step
         every eval.every steps (and after the last): union model evaluated on rank 0
             subnetdp_on_eval_end(run, step, metrics)
         subnetdp_on_step_end(run, step, metrics)
+        every checkpoint.every steps and at the end: checkpoint saved (manifest last)
     subnetdp_on_run_end(run)
 
 Hooks are called with keyword arguments only. Registration hooks run on every rank, in every

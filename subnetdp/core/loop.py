@@ -21,6 +21,7 @@ from subnetdp.core.metrics import (RunLogger, TensorMemoryTracker, bytes_by_grou
 from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
+from subnetdp.core.resume import Checkpointer
 from subnetdp.core.sync import OwnerGroupAverager
 from subnetdp.core.union import assemble_union, evaluate
 
@@ -99,15 +100,46 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
 
 def check_ranks_agree(comm: Communicator, plan: MaskPlan, cfg: DictConfig, pm: PluginManager) -> None:
     """Stop on every rank if any rank holds a different plan, config or plugin set."""
-    mine = {"plan": plan.digest(), "config": config_mod.digest(cfg), "plugins": pm.versions()}
+    values = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(values, dict)
+    mine = {"plan": plan.digest(), "config": config_mod.digest(cfg), "plugins": pm.versions(),
+            "owned": plan.owned, "values": {k: v for k, v in values.items() if k not in ("launch", "run")}}
     # collective: every rank reaches this once, right after the process group exists.
-    everyone = comm.all_gather_object(mine)
+    problem = describe_disagreement(comm.all_gather_object(mine))
+    if problem:
+        raise RankMismatchError(problem + ": start every rank with the same recipe, overrides and installed plugins")
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def describe_disagreement(everyone: list[dict[str, Any]]) -> str | None:
+    """Which rank differs from rank 0, in what (plan, config or plugins) and how; None if all agree."""
+    ref = everyone[0]
     for r, theirs in enumerate(everyone):
         for key in ("plan", "config", "plugins"):
-            if theirs[key] != everyone[0][key]:
-                raise RankMismatchError(
-                    f"rank {r} has a different {key} than rank 0 ({theirs[key]} vs {everyone[0][key]}): "
-                    "start every rank with the same recipe, overrides and installed plugins")
+            if theirs[key] == ref[key]:
+                continue
+            msg = f"rank {r} has a different {key} than rank 0 ({theirs[key]} vs {ref[key]})"
+            if key == "plan":
+                diff = [f"rank {q} owns {o} vs {ref['owned'][q]}" for q, o in enumerate(theirs["owned"])
+                        if q < len(ref["owned"]) and o != ref["owned"][q]]
+            elif key == "config":
+                a, b = _flat(theirs["values"]), _flat(ref["values"])
+                diff = [f"{k}={a.get(k, '<unset>')!r} vs {b.get(k, '<unset>')!r}" for k in sorted(set(a) | set(b))
+                        if a.get(k, "<unset>") != b.get(k, "<unset>")]
+            else:
+                a, b = theirs[key], ref[key]
+                diff = [f"{k}: {a.get(k, 'missing')} vs {b.get(k, 'missing')}" for k in sorted(set(a) | set(b))
+                        if a.get(k) != b.get(k)]
+            return msg + (": " + "; ".join(diff[:6]) if diff else "")
+    return None
 
 
 def resolve_run_dir(cfg: DictConfig, comm: Communicator) -> Path:
@@ -155,7 +187,11 @@ def _train(run: Run, pm: PluginManager) -> None:
                                                  float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
     log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
     _write_start(run, log)
-    batches = iter(run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size)))
+    loader = run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size))
+    ckpt = Checkpointer(run, optimizer, scheduler, loader)
+    first = ckpt.start() + 1  # collective: resumes from a checkpoint when cfg.resume asks for one
+    run.step = first - 1
+    batches = iter(loader)
     accum = int(cfg.train.grad_accum)
     samples_per_step = comm.world_size * int(cfg.train.batch_size) * accum
     pm.hook.subnetdp_on_run_start(run=run)
@@ -164,8 +200,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     group_bytes: dict[tuple[int, ...], int] = {}  # payload per owner group, summed over steps
     peak_cpu = 0
     model.train()
-    for step in range(1, steps + 1):
-        measure = device.type == "cpu" and step == min(int(cfg.train.memory_step), steps)
+    for step in range(first, steps + 1):
+        measure = device.type == "cpu" and step == min(max(int(cfg.train.memory_step), first), steps)
         tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer)))
                    if measure else contextlib.nullcontext())
         t0 = time.perf_counter()
@@ -185,10 +221,13 @@ def _train(run: Run, pm: PluginManager) -> None:
             wire += comm.bytes.ring_estimate() - before_wire
             for g, n in comm.bytes.by_group.items():
                 group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
+            # collective: every rank learns whether any rank saw inf/NaN (train.on_nonfinite).
+            finite = ckpt.finite(step, step_loss, [b.buffer for b in averager.buckets])
             log_step = step % int(cfg.train.log_every) == 0 or step == steps
             clip = float(cfg.optim.clip_grad_norm)
             grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
-            optimizer.step()
+            if finite:
+                optimizer.step()
             scheduler.step()
         elapsed = time.perf_counter() - t0
         if measure:
@@ -215,10 +254,10 @@ def _train(run: Run, pm: PluginManager) -> None:
                 record["train/tokens_per_s"] = record["train/samples_per_s"] * run.spec.seq_len
             log.scalars(step, {k: v for k, v in record.items() if k != "step"})
             log.jsonl(record)
-            log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / step,
-                               "rank/wire_bytes_per_step": wire / step,
+            log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / (step - first + 1),
+                               "rank/wire_bytes_per_step": wire / (step - first + 1),
                                "rank/peak_memory_bytes": peak_cpu or _peak_memory(device)}, per_rank=True)
-            log.scalars(step, {f"rank/bytes_by_group/{group_label(g)}": n / step for g, n in group_bytes.items()},
+            log.scalars(step, {f"rank/bytes_by_group/{group_label(g)}": n / (step - first + 1) for g, n in group_bytes.items()},
                         per_rank=True)
             _progress_line(bar, record)
         eval_every = int(cfg.eval.every)
@@ -226,11 +265,13 @@ def _train(run: Run, pm: PluginManager) -> None:
             run.eval_metrics = _evaluate(run, log, step)
             pm.hook.subnetdp_on_eval_end(run=run, step=step, metrics=run.eval_metrics)
         pm.hook.subnetdp_on_step_end(run=run, step=step, metrics=metrics)
+        ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    run.summary = _summarise(run, step_times, sync_bytes / steps, wire / steps,
+    done = max(1, steps - first + 1)
+    run.summary = _summarise(run, step_times, sync_bytes / done, wire / done,
                              peak_cpu or _peak_memory(device), group_bytes)
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)

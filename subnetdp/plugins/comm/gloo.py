@@ -60,8 +60,15 @@ class TorchDistCommunicator(Communicator):
         timeout = float(self.cfg.timeout_s)
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout), **self._init_kwargs()}
         init_method = str(self.cfg.init_method)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
+        elif attempt is not None and init_method == "env://":
+            # torchrun keeps one agent store across restarts of the group, and the keys the process
+            # group writes carry no attempt number: a restarted rank could read a dead peer's
+            # address. A prefix per attempt keeps every attempt's keys apart.
+            store, _, _ = next(dist.rendezvous(init_method, self.rank, self.world_size, timeout=kwargs["timeout"]))
+            kwargs["store"] = dist.PrefixStore(f"subnetdp/attempt-{attempt}", store)
         else:
             if init_method == "env://":
                 rendezvous(self.env)  # mpirun / srun: MASTER_ADDR and MASTER_PORT from rank 0

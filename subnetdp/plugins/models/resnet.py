@@ -85,6 +85,11 @@ class ResNetAdapter(ModelAdapter):
                 "in_channels": spec.in_channels or 3, "cifar_stem": bool(self.cfg.cifar_stem),
                 "zero_init_residual": bool(self.cfg.zero_init_residual)}
 
+    @staticmethod
+    def reference_model(options: dict[str, Any]) -> nn.Module:
+        """The plain torchvision model for :meth:`reference_options` (used by ``subnetdp export``)."""
+        return build_reference(**options)
+
     def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
         if granularity != "block":
             raise ConfigError("masker.granularity", granularity, "the resnet adapter supports: block")

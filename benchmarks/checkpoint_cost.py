@@ -1,0 +1,89 @@
+"""What a checkpoint costs: bytes per rank, seconds to save, verify and load, against a training step.
+
+One process (comm ``local``), ResNet-18 on digits at coverage 1 (the whole model on the rank: the
+largest a rank's checkpoint gets). Prints a table and writes benchmarks/results/checkpoint_cost.json.
+
+    .venv/bin/python benchmarks/checkpoint_cost.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from subnetdp.core import checkpoint as ck
+from subnetdp.core.config import compose
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.loop import setup
+from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.core.plugins import PluginManager
+from subnetdp.core.resume import Checkpointer
+from subnetdp.core.sync import OwnerGroupAverager
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pm = PluginManager()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose("resnet18_digits", ["comm.name=local", "masker.coverage=1", "launch.nproc=1", f"run.dir={tmp}",
+                                          "run.name=bench", "train.batch_size=32", "checkpoint.keep=0"], pm.registries)
+        run = setup(cfg, LaunchEnv(0, 1, 0, 1, "bench"), pm)
+        opt = build_optimizer(cfg.optim, run.model.parameters())
+        sched = build_schedule(cfg.optim, opt, 100)
+        averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm)
+        loader = run.data.train_loader(0, 1, 32)
+        batches = iter(loader)
+        ckpt = Checkpointer(run, opt, sched, loader)
+        ckpt.start()
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            averager.prepare()
+            batch = next(batches)
+            run.adapter.loss(run.model(batch[0]), batch).backward()
+            averager.finish()
+            opt.step()
+            sched.step()
+            return time.perf_counter() - t0
+
+        step()  # warm-up
+        steps = [step() for _ in range(args.repeats)]
+        saves, verifies, loads = [], [], []
+        for i in range(args.repeats):
+            t0 = time.perf_counter()
+            path = ckpt.save(i + 1)
+            saves.append(time.perf_counter() - t0)
+            manifest = ck.read_manifest(path)
+            t0 = time.perf_counter()
+            for name in manifest["files"]:
+                ck.verify_file(path, name, manifest)
+            verifies.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ckpt._load(path)
+            loads.append(time.perf_counter() - t0)
+        sizes = {n: e["bytes"] for n, e in manifest["files"].items()}
+    row = {"params": sum(p.numel() for p in run.model.parameters()), "optimizer": str(cfg.optim.name),
+           "rank_bytes": sizes["rank_0.safetensors"] + sizes["rank_0.state.pt"],
+           "step_s": statistics.median(steps), "save_s": statistics.median(saves),
+           "verify_s": statistics.median(verifies), "load_s": statistics.median(loads)}
+    row["save_over_step"] = row["save_s"] / row["step_s"]
+    print(f"{'params':>11}  {'MiB/rank':>8}  {'step':>8}  {'save':>8}  {'verify':>8}  {'load':>8}  {'save/step':>9}")
+    print(f"{row['params']:>11,}  {row['rank_bytes'] / 2**20:>8.1f}  {row['step_s'] * 1000:>6.0f}ms  "
+          f"{row['save_s'] * 1000:>6.0f}ms  {row['verify_s'] * 1000:>6.0f}ms  {row['load_s'] * 1000:>6.0f}ms  "
+          f"{row['save_over_step']:>9.2f}")
+    out = Path(__file__).parent / "results" / "checkpoint_cost.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"repeats": args.repeats, "threads": 1, "result": row}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Checkpoints on disk: atomic writes, the layout, verification and safe reading.
+
+``RUN_DIR/checkpoints/step_{:08d}/`` holds
+
+- ``rank_{r}.safetensors``: rank r's tensors (parameters and buffers) under their global names; a
+  slice of a global tensor is stored as ``name@dim:start:stop``. The metadata names the run, step,
+  rank, plan and the slices. Every owner of a unit writes its own copy.
+- ``rank_{r}.state.pt``: optimizer and scheduler state, data-loader position, RNG states (as
+  tensors) and the step; only tensors and plain containers, so ``torch.load(weights_only=True)``
+  reads it and nothing is ever unpickled.
+- ``plan.json``, ``config.yaml``: the mask plan and the resolved config (rank 0).
+- ``MANIFEST.json``: format, run id, step, world size, plan digest, model and data spec, and the
+  size and sha256 of every other file. Rank 0 writes it last, after every rank's files are on disk;
+  only a directory with a manifest is a checkpoint.
+
+Every file is written under a temporary name, fsynced, then renamed; the directory is built as
+``step_XXXXXXXX.tmp`` and renamed when complete, so a kill at any moment leaves the previous
+checkpoint loadable. Reading checks sizes and checksums before torch sees a byte, and turns every
+problem into a :class:`~subnetdp.core.errors.CheckpointError` that names the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from subnetdp.core.errors import CheckpointError
+
+FORMAT = "subnetdp-checkpoint/1"
+MANIFEST = "MANIFEST.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
+KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL between temp file and rename
+KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which rank the two hooks above kill (default 1)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:08d}"
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    return f"rank_{rank}.safetensors", f"rank_{rank}.state.pt"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run (directories with a manifest), oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name) and (d / MANIFEST).is_file()]
+    return sorted(found, key=lambda d: d.name)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory's newest complete checkpoint."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    if checkpoints_dir(path).is_dir():
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise CheckpointError(f"{checkpoints_dir(path)}: holds no complete checkpoint (none has a {MANIFEST}); "
+                                  "an interrupted save leaves only a .tmp directory")
+        return newest
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+    raise CheckpointError(f"{path}: not a checkpoint (no {MANIFEST}: the save did not finish, or this is not "
+                          "a subnetdp checkpoint) and not a run directory (no checkpoints/ folder)")
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
+    """Test-only fault injection: SIGKILL this process once when ``$name`` equals ``step``.
+
+    Fires on rank ``$SUBNETDP_TEST_KILL_RANK`` (default 1), once per run directory (a marker file
+    remembers it), so a restarted group runs through. Does nothing unless the variable is set.
+    """
+    if os.environ.get(name) != str(step) or rank != int(os.environ.get(KILL_RANK, "1")):
+        return
+    marker = Path(marker_dir) / f".{name.lower()}-{step}"
+    if marker.exists():
+        return
+    marker.write_text("fired\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_atomic(path: Path, write: Callable[[Path], None], fault: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``write(temporary path)``, fsync, rename to ``path``; returns its size and sha256.
+
+    ``fault`` = (step, rank) enables the test-only kill between the temporary file and the rename.
+    """
+    tmp = path.with_name(f".{path.name}.partial")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    entry = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+    if fault is not None:
+        fault_point(KILL_IN_WRITE, fault[0], fault[1], path.parent.parent)
+    os.replace(tmp, path)
+    return entry
+
+
+def write_text_atomic(path: Path, text: str) -> dict[str, Any]:
+    return write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def finish_directory(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest last, then rename ``tmp`` to ``final`` (replacing an older one)."""
+    write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    _fsync_dir(tmp)
+    if final.exists():  # re-reaching a step after resuming from an older checkpoint
+        old = final.with_name(final.name + ".replaced")
+        os.replace(final, old)
+        remove_checkpoint(old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove the manifest first, so a half-deleted directory is never taken for a checkpoint."""
+    (path / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
+    """Keep the ``keep`` newest complete checkpoints (0 = all); drop leftovers of interrupted saves."""
+    removed = []
+    found = complete_checkpoints(run_dir)
+    if keep > 0:
+        for d in found[:-keep]:
+            remove_checkpoint(d)
+            removed.append(d)
+    for d in checkpoints_dir(run_dir).glob("step_*.tmp"):
+        if d.name < newest.name:
+            shutil.rmtree(d, ignore_errors=True)
+    return removed
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    path = Path(ckpt) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing: {ckpt} is not a complete checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): the manifest is corrupted") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r}: not a subnetdp checkpoint")
+    for key in ("run_id", "step", "world_size", "plan_digest", "files", "model", "data_spec"):
+        if key not in manifest:
+            raise CheckpointError(f"{path}: lacks the field {key!r}: the manifest is corrupted")
+    return manifest
+
+
+def _safetensors_identity(path: Path) -> dict[str, str] | None:
+    """The metadata of a safetensors file, or None if it is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception:  # any parse failure: the file is not (or no longer) a safetensors file
+        return None
+
+
+def verify_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> Path:
+    """Check that ``name`` exists with the size and checksum the manifest records."""
+    path = Path(ckpt) / name
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{path}: not listed in {MANIFEST}: the checkpoint was written for "
+                              f"{manifest['world_size']} rank(s) or the manifest is corrupted")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the manifest lists it): a rank's file was lost or deleted; "
+                              "restore it or resume from an older checkpoint")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        kind = "truncated" if size < entry["bytes"] else "longer than written"
+        raise CheckpointError(f"{path}: {kind}: {size} bytes, the manifest records {entry['bytes']}")
+    if sha256_file(path) != entry["sha256"]:
+        meta = _safetensors_identity(path) if name.endswith(".safetensors") else None
+        if meta and (meta.get("run_id") != manifest["run_id"] or meta.get("step") != str(manifest["step"])):
+            raise CheckpointError(f"{path}: belongs to run {meta.get('run_id')} step {meta.get('step')}, not to this "
+                                  f"checkpoint (run {manifest['run_id']} step {manifest['step']}): a shard from another run")
+        raise CheckpointError(f"{path}: corrupted: its sha256 differs from the one in {MANIFEST}")
+    return path
+
+
+def read_tensors(path: Path, manifest: dict[str, Any], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """A rank's tensors and slice table (key -> [global name, dim, start, stop]) from its safetensors file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+    expected = {"format": FORMAT, "run_id": manifest["run_id"], "step": str(manifest["step"]), "rank": str(rank)}
+    for key, value in expected.items():
+        if meta.get(key) != value:
+            raise CheckpointError(f"{path}: metadata {key}={meta.get(key)!r}, expected {value!r}: "
+                                  "a shard from another run, step or rank")
+    try:
+        slices = json.loads(meta["slices"])
+    except (KeyError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: its slice table is missing or corrupted") from None
+    if set(slices) != set(tensors):
+        raise CheckpointError(f"{path}: its slice table does not match its tensors")
+    return tensors, slices
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A rank's state file, read with ``weights_only=True`` (never unpickles arbitrary objects)."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot be read safely ({first}): truncated, corrupted, or holding "
+                              "objects other than tensors and plain containers") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a subnetdp state file")
+    return state

@@ -1,0 +1,190 @@
+"""Checkpoints under hostile conditions, in one process (comm ``local``).
+
+Two short real runs write real checkpoints; each test damages a copy the way disks, users and
+crashes do and checks that loading stops with a CheckpointError naming the file and the problem,
+never a deep torch error, and never by unpickling an object.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from subnetdp.core import checkpoint as ck
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.errors import CheckpointError, NonFiniteError
+from subnetdp.core.loop import train
+from subnetdp.export import load_union
+from tests.helpers import plugin_manager, small_config
+
+ONE = LaunchEnv(0, 1, 0, 1, "test")
+BASE = ("comm.name=local", "masker.coverage=1", "train.batch_size=8", "optim.warmup_steps=0")
+
+
+def _train(run_dir: Path, name: str, *overrides: str):
+    cfg = small_config(*BASE, f"run.name={name}", *overrides, run_dir=run_dir)
+    return train(cfg, ONE, plugin_manager())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt-runs")
+    _train(root, "a", "train.steps=2", "checkpoint.every=1", "checkpoint.keep=0")
+    _train(root, "b", "train.steps=1", "seed=1")
+    return root
+
+
+@pytest.fixture
+def ckpt(runs, tmp_path) -> Path:
+    """A private copy of run a's newest checkpoint (step 2)."""
+    dst = tmp_path / "a" / "checkpoints" / "step_00000002"
+    shutil.copytree(runs / "a" / "checkpoints" / "step_00000002", dst)
+    return dst
+
+
+def _load_error(path: Path) -> str:
+    with pytest.raises(CheckpointError) as e:
+        load_union(path, plugin_manager())
+    return str(e.value)
+
+
+def _resume_error(path: Path, *overrides: str) -> str:
+    with pytest.raises(CheckpointError) as e:
+        _train(path.parent.parent.parent, "resumer", "train.steps=3", f"resume={path}", *overrides)
+    return str(e.value)
+
+
+def test_layout_manifest_and_retention(runs):
+    a = runs / "a" / "checkpoints"
+    assert sorted(p.name for p in a.iterdir()) == ["step_00000001", "step_00000002"]
+    assert [p.name for p in (runs / "b" / "checkpoints").iterdir()] == ["step_00000001"]  # every=0: at the end
+    files = sorted(p.name for p in (a / "step_00000002").iterdir())
+    assert files == ["MANIFEST.json", "config.yaml", "plan.json", "rank_0.safetensors", "rank_0.state.pt"]
+    manifest = ck.read_manifest(a / "step_00000002")
+    assert manifest["step"] == 2 and manifest["world_size"] == 1 and set(manifest["files"]) == set(files) - {"MANIFEST.json"}
+    for name, entry in manifest["files"].items():
+        assert ck.sha256_file(a / "step_00000002" / name) == entry["sha256"]
+    # The state file holds nothing but tensors and plain containers.
+    state = ck.read_state(a / "step_00000002" / "rank_0.state.pt")
+    assert state["step"] == 2 and state["loader"] == {"epoch": 0, "batch": 2}
+    assert isinstance(state["rng"]["torch"], torch.Tensor) and state["optimizer"]["state"]
+    # A run directory resolves to its newest checkpoint; the union loads from the files alone.
+    assert ck.resolve_checkpoint(runs / "a").name == "step_00000002"
+    loaded = load_union(runs / "a", plugin_manager())
+    assert loaded.manifest["step"] == 2 and sum(p.numel() for p in loaded.model.parameters()) > 10_000_000
+
+
+def test_truncated_file(ckpt):
+    f = ckpt / "rank_0.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    msg = _load_error(ckpt)
+    assert str(f) in msg and "truncated: 1000 bytes" in msg
+    msg = _resume_error(ckpt)
+    assert str(f) in msg and "truncated" in msg and msg.startswith("rank 0:")
+
+
+def test_corrupted_byte(ckpt):
+    f = ckpt / "rank_0.state.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    msg = _resume_error(ckpt)
+    assert str(f) in msg and "corrupted: its sha256 differs" in msg
+
+
+def test_shard_from_another_run(ckpt, runs):
+    shutil.copy(runs / "b" / "checkpoints" / "step_00000001" / "rank_0.safetensors", ckpt / "rank_0.safetensors")
+    msg = _load_error(ckpt)
+    assert "a shard from another run" in msg and "step 1" in msg and str(ckpt / "rank_0.safetensors") in msg
+
+
+def test_missing_rank_file(ckpt):
+    (ckpt / "rank_0.safetensors").unlink()
+    msg = _load_error(ckpt)
+    assert str(ckpt / "rank_0.safetensors") in msg and "missing" in msg
+
+
+def test_manifest_damaged_or_absent(ckpt):
+    (ckpt / "MANIFEST.json").write_text('{"format": "subnetdp-checkpoint/1", "run_id"')
+    assert "not valid JSON" in _load_error(ckpt)
+    (ckpt / "MANIFEST.json").write_text(json.dumps({"format": "something-else"}))
+    assert "not a subnetdp checkpoint" in _load_error(ckpt)
+    (ckpt / "MANIFEST.json").unlink()  # what an interrupted save leaves: not a checkpoint
+    msg = _load_error(ckpt)
+    assert "not a checkpoint (no MANIFEST.json" in msg
+    assert ck.latest_checkpoint(ckpt.parent.parent) is None
+
+
+class _Exploit:
+    """Unpickling this would create a file: weights_only loading must refuse it first."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_state_file_with_a_pickled_object_is_refused_unexecuted(ckpt, tmp_path):
+    marker = tmp_path / "pwned"
+    f = ckpt / "rank_0.state.pt"
+    state = ck.read_state(f)
+    state["loader"] = _Exploit(marker)
+    torch.save(state, f)
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())  # a consistent manifest: checksums pass
+    manifest["files"][f.name] = {"bytes": f.stat().st_size, "sha256": ck.sha256_file(f)}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    msg = _resume_error(ckpt)
+    assert str(f) in msg and "cannot be read safely" in msg
+    assert not marker.exists()
+    # A foreign file under a valid name (and matching checksums) is named too.
+    f.write_bytes(b"not a torch file at all")
+    manifest["files"][f.name] = {"bytes": f.stat().st_size, "sha256": ck.sha256_file(f)}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert "cannot be read safely" in _resume_error(ckpt)
+
+
+def test_resume_refuses_other_model_plan_or_world_size(ckpt):
+    msg = _resume_error(ckpt, "model.zero_init_residual=true")
+    assert "written for model" in msg and "zero_init_residual" in msg
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    (ckpt / "MANIFEST.json").write_text(json.dumps({**manifest, "plan_digest": "0123456789abcdef"}))
+    assert "written under mask plan 0123456789abcdef" in _resume_error(ckpt)
+    (ckpt / "MANIFEST.json").write_text(json.dumps({**manifest, "world_size": 2}))
+    msg = _resume_error(ckpt)
+    assert "written by 2 rank(s), this run has 1" in msg and "refused, not re-planned" in msg
+
+
+def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
+    with pytest.raises(NonFiniteError) as e:
+        _train(tmp_path, "nan", "train.steps=4", "checkpoint.every=1", "optim.lr=1e30")
+    assert "non-finite loss or gradients at step 2, rank(s) 0" in str(e.value)
+    good = tmp_path / "nan" / "checkpoints" / "step_00000001"
+    assert str(good) in str(e.value)
+    assert ck.latest_checkpoint(tmp_path / "nan") == good
+    load_union(good, plugin_manager())  # intact
+    # skip: every step after the first is skipped, so the weights stay those of step 1.
+    run = _train(tmp_path, "skip", "train.steps=3", "optim.lr=1e30", "train.on_nonfinite=skip")
+    step1, _ = ck.read_tensors(good / "rank_0.safetensors", ck.read_manifest(good), 0)
+    params = dict(run.model.named_parameters())
+    assert run.step == 3 and torch.equal(params["fc.weight"], step1["fc.weight"])
+
+
+def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
+    """2 steps, then ``resume=auto`` with ``train.steps=4``, equals 4 straight steps (AdamW state included)."""
+    extra = ("optim.name=adamw", "optim.lr=1e-3", "optim.schedule=constant")
+    straight = _train(tmp_path, "straight", "train.steps=4", *extra)
+    _train(tmp_path, "extended", "train.steps=2", "resume=auto", *extra)  # fresh start: no checkpoint yet
+    extended = _train(tmp_path, "extended", "train.steps=4", "resume=auto", *extra)
+    assert extended.step == 4
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), extended.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    sa, sb = straight.optimizer.state_dict()["state"], extended.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), (i, k)
