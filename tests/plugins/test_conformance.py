@@ -29,6 +29,7 @@ def test_plugin_runs_two_steps(kind, name, tmp_path):
         overrides.append("comm.name=local")
     if kind != "model":
         overrides.append("model.variant=resnet18")
+    overrides += PM.registries[kind].get(name).conformance_overrides(tmp_path)
     cfg = small_config(*overrides, recipe=None, run_dir=tmp_path)
     run = train(cfg, LaunchEnv(), PM)
     assert run.step == 2
