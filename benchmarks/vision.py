@@ -204,6 +204,8 @@ def accuracy_table(steps: dict[str, int], batch: int, coverage: float, run_dir: 
     rows = []
     for label, model in ACCURACY_MODELS.items():
         s = steps[label]
+        if s <= 0:
+            continue
         common = model + ["data.name=digits", "data.image_size=32", f"train.batch_size={batch}", "optim.warmup_steps=5",
                           "optim.schedule=cosine", "launch.threads_per_rank=1", "train.progress=false",
                           "train.log_every=1000", "run.tensorboard=false", f"run.dir={run_dir}"]
@@ -223,8 +225,8 @@ def accuracy_table(steps: dict[str, int], batch: int, coverage: float, run_dir: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--swin-steps", type=int, default=60, help="Swin: DDP's steps S (FLOP-matched B-SDP: S / C)")
-    ap.add_argument("--resnet-steps", type=int, default=16, help="ResNet-18: DDP's steps S")
+    ap.add_argument("--swin-steps", type=int, default=60, help="Swin: DDP's steps S (FLOP-matched B-SDP: S / C); 0 skips")
+    ap.add_argument("--resnet-steps", type=int, default=16, help="ResNet-18: DDP's steps S; 0 skips")
     ap.add_argument("--batch-size", type=int, default=16, help="per rank, accuracy runs")
     ap.add_argument("--memory-batch-size", type=int, default=64, help="per worker, memory step")
     ap.add_argument("--skip-accuracy", action="store_true")
@@ -236,13 +238,14 @@ def main() -> None:
 
     t0 = time.perf_counter()
     mem = [] if args.skip_memory else memory_table(args.memory_batch_size, pm)
-    print(f"\nPer-rank peak tensor memory of one training step, 32x32, batch {args.memory_batch_size} per worker "
-          "(FakeTensorMode + dispatch tracker; B-SDP: largest rank of 4)")
-    print(f"{'model':<28} {'method':<6} {'C':>5} {'blocks held':>11} {'params held':>12} {'state MiB':>10} "
-          f"{'peak MiB':>9} {'vs DDP':>7}")
-    for r in mem:
-        print(f"{r['model']:<28} {r['method']:<6} {r['coverage']:>5.2f} {r['units_held']:>11.0%} {r['params_held']:>12,} "
-              f"{r['state_mib']:>10.1f} {r['peak_mib']:>9.1f} {r['peak_vs_ddp']:>7.2f}")
+    if mem:
+        print(f"\nPer-rank peak tensor memory of one training step, 32x32, batch {args.memory_batch_size} per worker "
+              "(FakeTensorMode + dispatch tracker; B-SDP: largest rank of 4)")
+        print(f"{'model':<28} {'method':<6} {'C':>5} {'blocks held':>11} {'params held':>12} {'state MiB':>10} "
+              f"{'peak MiB':>9} {'vs DDP':>7}")
+        for r in mem:
+            print(f"{r['model']:<28} {r['method']:<6} {r['coverage']:>5.2f} {r['units_held']:>11.0%} {r['params_held']:>12,} "
+                  f"{r['state_mib']:>10.1f} {r['peak_mib']:>9.1f} {r['peak_vs_ddp']:>7.2f}")
     print("N-SDP (neuron level): not measured; it needs the neuron-level masking core (issue 3).")
     acc: list[dict] = []
     if not args.skip_accuracy:
