@@ -205,6 +205,15 @@ class Plugin:
         """Raise :class:`~subnetdp.core.errors.ConfigError` for a bad value of this plugin's section
         ``cfg`` (the whole run config is ``root``). Runs before any process group exists."""
 
+    @classmethod
+    def conformance_overrides(cls, tmp_path: Any) -> list[str]:
+        """``key=value`` overrides the conformance test adds to run this plugin in seconds.
+
+        A plugin that needs files (a dataset on disk) writes a tiny copy in their real format under
+        ``tmp_path`` and points its config there; most plugins need nothing.
+        """
+        return []
+
 
 @dataclass
 class MaskerConfig(PluginConfig):

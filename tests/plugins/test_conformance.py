@@ -20,8 +20,6 @@ from tests.helpers import plugin_manager, small_config
 PM = plugin_manager()
 CASES = [(kind, name) for kind, reg in PM.registries.items() for name in reg.names()]
 DEFAULT = {"model": "resnet", "data": "digits"}
-# Built-in data plugins that would otherwise write under the working directory or read a lot.
-DATA_OVERRIDES = {"tokens": ["data.stdlib_max_mb=0.5", "data.seq_len=32"]}
 
 
 def data_kind(kind: str, name: str) -> str:
@@ -47,7 +45,8 @@ def pair_for(kind: str, name: str) -> tuple[str, str]:
 def test_every_kind_has_builtin_plugins():
     kinds = {k for k, _ in CASES}
     assert kinds == {"masker", "comm", "model", "data"}
-    assert {"cyclic", "local", "gloo", "resnet", "digits", "synthetic", "llama", "tokens"} <= {n for _, n in CASES}
+    assert {"cyclic", "local", "gloo", "resnet", "digits", "synthetic", "llama", "tokens", "swin", "cifar10",
+            "cifar100", "imagenet"} <= {n for _, n in CASES}
 
 
 @pytest.mark.parametrize("kind,name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
@@ -60,9 +59,8 @@ def test_plugin_runs_two_steps(kind, name, tmp_path):
     overrides += [f"model.name={model}", f"data.name={data}"]
     if model == "resnet":
         overrides.append("model.variant=resnet18")
-    overrides += DATA_OVERRIDES.get(data, [])
-    if data == "tokens":
-        overrides.append(f"data.cache_dir={tmp_path / 'data'}")
+    overrides += PM.get("model", model).conformance_overrides(tmp_path)
+    overrides += PM.get("data", data).conformance_overrides(tmp_path)
     cfg = small_config(*overrides, recipe=None, run_dir=tmp_path)
     if (kind, name) == ("comm", "nccl") and not torch.cuda.is_available():
         # Without a GPU, nccl must refuse clearly, before any process group (run on a GPU otherwise).

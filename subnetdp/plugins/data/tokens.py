@@ -134,6 +134,11 @@ class TokensData(DataModule):
     data_kind = "tokens"
 
     @classmethod
+    def conformance_overrides(cls, tmp_path: Any) -> list[str]:
+        # A small slice of the stdlib corpus, built under tmp_path instead of the working directory.
+        return ["data.stdlib_max_mb=0.5", "data.seq_len=32", f"data.cache_dir={tmp_path}/data"]
+
+    @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
         if cfg.seq_len < 1:
             raise ConfigError("data.seq_len", cfg.seq_len, "must be >= 1")

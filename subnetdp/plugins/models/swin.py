@@ -1,0 +1,204 @@
+"""Model ``swin``: torchvision's Swin Transformer; units are the Swin blocks of each stage.
+
+torchvision lays a Swin Transformer out as ``features`` = [patch embedding, stage 1, patch merging,
+stage 2, ..., stage 4], then ``norm``, ``permute``, ``avgpool``, ``flatten``, ``head``. A block is
+``x + sd(attn(norm1(x)))`` followed by ``x + sd(mlp(norm2(x)))``: with both residual branches zero
+it is the identity, so a dropped block simply disappears from its stage. The patch embedding, the
+patch-merging layers, the final norm and the head are shared.
+
+A subnetwork keeps the *original* block modules under their original indices (``features.5.3``
+stays ``features.5.3``), so each kept block keeps its own shifted or unshifted window and its own
+stochastic-depth probability, and local names equal global names. Blocks are grouped per stage,
+so every subnetwork keeps the same number of blocks in every stage and ranks cost the same.
+
+Variants ``t``, ``s``, ``b`` are torchvision's ``swin_t``/``swin_s``/``swin_b``; ``cifar`` is a small
+configuration for 32x32 images (patch 2, window 4, embedding 48, depths 2-2-2-2). Every
+architecture key (``patch_size``, ``window_size``, ``embed_dim``, ``depths``, ``num_heads``,
+``stochastic_depth_prob``) overrides the variant's value when set.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+
+from subnetdp.core.contracts import (DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition,
+                                     TensorSlice, Unit)
+from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.hookspecs import hookimpl
+
+# torchvision's swin_t / swin_s / swin_b, plus a small configuration for 32x32 inputs.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "t": {"patch_size": 4, "embed_dim": 96, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24],
+          "window_size": 7, "stochastic_depth_prob": 0.2},
+    "s": {"patch_size": 4, "embed_dim": 96, "depths": [2, 2, 18, 2], "num_heads": [3, 6, 12, 24],
+          "window_size": 7, "stochastic_depth_prob": 0.3},
+    "b": {"patch_size": 4, "embed_dim": 128, "depths": [2, 2, 18, 2], "num_heads": [4, 8, 16, 32],
+          "window_size": 7, "stochastic_depth_prob": 0.5},
+    "cifar": {"patch_size": 2, "embed_dim": 48, "depths": [2, 2, 2, 2], "num_heads": [3, 6, 12, 24],
+              "window_size": 4, "stochastic_depth_prob": 0.1},
+}
+ARCH_KEYS = ("patch_size", "embed_dim", "depths", "num_heads", "window_size", "stochastic_depth_prob")
+
+
+@dataclass
+class SwinConfig(ModelConfig):
+    variant: str = "t"
+    patch_size: Optional[int] = None
+    window_size: Optional[int] = None
+    embed_dim: Optional[int] = None
+    depths: Optional[list[int]] = None
+    num_heads: Optional[list[int]] = None
+    stochastic_depth_prob: Optional[float] = None
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+
+def architecture(cfg: Any) -> dict[str, Any]:
+    """The variant's architecture with the config's explicit values on top."""
+    arch = dict(VARIANTS[cfg.variant])
+    for key in ARCH_KEYS:
+        value = getattr(cfg, key, None)
+        if value is not None:
+            arch[key] = list(value) if key in ("depths", "num_heads") else value
+    for key in ("mlp_ratio", "dropout", "attention_dropout"):
+        arch[key] = float(getattr(cfg, key))
+    return arch
+
+
+def build_reference(num_classes: int, in_channels: int = 3, **arch: Any) -> SwinTransformer:
+    """The plain torchvision ``SwinTransformer`` subnetdp trains (also how to rebuild an exported one).
+
+    Args:
+        num_classes: classifier outputs.
+        in_channels: image channels; the patch-embedding convolution is rebuilt for them if not 3.
+        **arch: ``patch_size``, ``embed_dim``, ``depths``, ``num_heads``, ``window_size``,
+            ``stochastic_depth_prob``, ``mlp_ratio``, ``dropout``, ``attention_dropout``
+            (see :data:`VARIANTS`; ``swin_t`` is ``build_reference(1000, **VARIANTS["t"])``).
+    """
+    p, w = int(arch["patch_size"]), int(arch["window_size"])
+    model = SwinTransformer(patch_size=[p, p], embed_dim=int(arch["embed_dim"]), depths=list(arch["depths"]),
+                            num_heads=list(arch["num_heads"]), window_size=[w, w],
+                            mlp_ratio=float(arch.get("mlp_ratio", 4.0)), dropout=float(arch.get("dropout", 0.0)),
+                            attention_dropout=float(arch.get("attention_dropout", 0.0)),
+                            stochastic_depth_prob=float(arch["stochastic_depth_prob"]), num_classes=num_classes)
+    if in_channels != 3:
+        # torchvision leaves this convolution at PyTorch's default initialisation: so do we.
+        model.features[0][0] = nn.Conv2d(in_channels, int(arch["embed_dim"]), kernel_size=(p, p), stride=(p, p))
+    return model
+
+
+def stage_indices(model: SwinTransformer) -> list[int]:
+    """Positions of the stages in ``model.features`` (1, 3, 5, 7 in torchvision's layout)."""
+    return list(range(1, len(model.features), 2))
+
+
+class SwinAdapter(ModelAdapter):
+    """torchvision Swin Transformers with block-level units (one group per stage)."""
+
+    Config = SwinConfig
+    granularities = ("block",)
+
+    @classmethod
+    def validate_config(cls, cfg: Any, root: Any) -> None:
+        if cfg.variant not in VARIANTS:
+            raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
+                              + suggest(cfg.variant, VARIANTS))
+        arch = architecture(cfg)
+        depths, heads = arch["depths"], arch["num_heads"]
+        if len(depths) != len(heads):
+            raise ConfigError("model.num_heads", heads, f"needs one entry per stage ({len(depths)} stages in "
+                              f"model.depths={depths})", "give model.depths and model.num_heads the same length")
+        if any(d < 1 for d in depths) or sum(depths) < 2:
+            raise ConfigError("model.depths", depths, "every stage needs >= 1 block and the model >= 2 blocks")
+        for i, h in enumerate(heads):
+            dim = arch["embed_dim"] * 2 ** i
+            if h < 1 or dim % h:
+                raise ConfigError("model.num_heads", heads, f"stage {i} has width {dim}, not divisible by {h} heads",
+                                  "choose head counts that divide embed_dim * 2**stage")
+        for key in ("patch_size", "window_size", "embed_dim"):
+            if int(arch[key]) < 1:
+                raise ConfigError(f"model.{key}", arch[key], "must be >= 1")
+        if not 0.0 <= float(arch["stochastic_depth_prob"]) < 1.0:
+            raise ConfigError("model.stochastic_depth_prob", arch["stochastic_depth_prob"], "must be in [0, 1)")
+
+    def build(self, spec: DataSpec) -> nn.Module:
+        return build_reference(spec.num_classes, spec.in_channels or 3, **architecture(self.cfg))
+
+    def reference_options(self, spec: DataSpec) -> dict[str, Any]:
+        return {"num_classes": spec.num_classes, "in_channels": spec.in_channels or 3, **architecture(self.cfg)}
+
+    def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
+        if granularity != "block":
+            raise ConfigError("masker.granularity", granularity, "the swin adapter supports: block",
+                              "neuron-level units (MLP hidden ranges) need the neuron-level masking core")
+        costs = self._block_costs(model, spec)
+        units: list[Unit] = []
+        in_unit: set[str] = set()
+        for si in stage_indices(model):
+            for bi, block in enumerate(model.features[si]):
+                name = f"features.{si}.{bi}"
+                params = tuple(TensorSlice(f"{name}.{n}") for n, _ in block.named_parameters())
+                buffers = tuple(TensorSlice(f"{name}.{n}") for n, _ in block.named_buffers())
+                in_unit.update(s.name for s in params + buffers)
+                units.append(Unit(len(units), name, f"features.{si}", costs[name], params, buffers))
+        shapes, dtypes = Partition.tensor_info(model)
+        shared = [n for n, _ in model.named_parameters() if n not in in_unit]
+        shared_buffers = [n for n, _ in model.named_buffers() if n not in in_unit]
+        return Partition("block", units, shared, shared_buffers, shapes, dtypes)
+
+    @staticmethod
+    def _block_costs(model: nn.Module, spec: DataSpec) -> dict[str, float]:
+        """Forward FLOPs per sample of each Swin block, measured with FlopCounterMode."""
+        size = spec.image_size or 224
+        x = torch.zeros(1, spec.in_channels or 3, size, size)
+        counter = FlopCounterMode(display=False)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), counter:
+            model(x)
+        model.train(was_training)
+        counts = {k.split(".", 1)[1] if "." in k else k: sum(v.values())
+                  for k, v in counter.get_flop_counts().items()}
+        return {f"features.{si}.{bi}": float(counts.get(f"features.{si}.{bi}", 0))
+                for si in stage_indices(model) for bi in range(len(model.features[si]))}
+
+    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition) -> tuple[nn.Module, ParamMap]:
+        keep = {partition.units[u].name for u in owned}
+        for si in stage_indices(model):
+            # The original block objects under their original indices: shift and drop-path stay theirs.
+            kept = OrderedDict((str(bi), block) for bi, block in enumerate(model.features[si])
+                               if f"features.{si}.{bi}" in keep)
+            model.features[si] = nn.Sequential(kept)
+        unit_of: dict[str, int | None] = {}
+        for u in partition.units:
+            for s in u.slices + u.buffers:
+                unit_of[s.name] = u.id
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        return model, ParamMap.identity(names, unit_of)
+
+    def blocks(self, submodel: nn.Module) -> list[nn.Module]:
+        return [b for si in stage_indices(submodel) for b in submodel.features[si]
+                if isinstance(b, SwinTransformerBlock)]
+
+    def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(output, batch[1])
+
+    def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
+        logits = torch.cat(list(outputs))
+        labels = torch.cat([b[1] for b in batches])
+        return {"accuracy": float((logits.argmax(1) == labels).float().mean()),
+                "loss": float(F.cross_entropy(logits, labels))}
+
+
+@hookimpl
+def subnetdp_register_models(registry) -> None:
+    registry.add("swin", SwinAdapter)
