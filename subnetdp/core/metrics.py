@@ -37,8 +37,11 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # An output that shares storage with an input (in-place ops, views, out=) allocated nothing:
+        # that storage is either counted already or part of the baseline.
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
                 self._track(t)
         return out
 

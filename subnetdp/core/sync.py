@@ -200,7 +200,7 @@ class OwnerGroupAverager:
         """
         local = torch.zeros((), dtype=torch.float64, device=self.buckets[0].buffer.device if self.buckets else "cpu")
         for b in self.buckets:
-            local += b.buffer.double().pow(2).sum() / b.k
+            local += torch.linalg.vector_norm(b.buffer).double() ** 2 / b.k  # no copy of the bucket
         # collective: every rank reaches this, once per step where the norm is needed.
         self.comm.all_reduce(local, self.world).wait()
         return math.sqrt(float(local))
