@@ -23,6 +23,7 @@ from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.sync import OwnerGroupAverager
 from subnetdp.core.union import assemble_union, evaluate
+from subnetdp.core.variants import is_backward, local_model, partition_model
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
     # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
     torch.manual_seed(int(cfg.seed))
     full = adapter.build(spec)
-    partition = adapter.partition(full, str(cfg.masker.granularity), spec)
+    partition = partition_model(adapter, full, cfg.masker, spec)
     plan = make_plan(masker, partition, world_size, int(cfg.seed), int(cfg.masker.min_owners))
     return data, spec, adapter, full, partition, plan
 
@@ -91,8 +92,8 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
-    model, pmap = adapter.materialize(full, plan.owned[env.rank], partition)
-    del full  # frees the tensors of units this rank does not own
+    model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
+    del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
     return Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
 
@@ -153,6 +154,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     scheduler = build_schedule(cfg.optim, optimizer, steps)
     run.averager = averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, comm,
                                                  float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+    refresher = _refresher(run)
     log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
     _write_start(run, log)
     batches = iter(run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size)))
@@ -186,6 +188,9 @@ def _train(run: Run, pm: PluginManager) -> None:
             grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
             optimizer.step()
             scheduler.step()
+            if refresher is not None and refresher.due(step):
+                sent = refresher.refresh()  # collective: owners' new values reach every rank
+                sync_bytes, wire = sync_bytes + sent, wire + sent
         elapsed = time.perf_counter() - t0
         if measure:
             peak_cpu = tracker.peak  # the tracker slows this step down: keep it out of the timings
@@ -226,6 +231,16 @@ def _train(run: Run, pm: PluginManager) -> None:
                              peak_cpu or _peak_memory(device))
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
+
+
+def _refresher(run: Run) -> Any:
+    """Backward masking: the broadcaster of owners' values (None for forward masking)."""
+    if not is_backward(run.cfg.masker):
+        return None
+    from subnetdp.core.backward import Refresher
+
+    return Refresher(run.model, run.pmap, run.plan, run.partition, run.comm,
+                     int(run.cfg.masker.refresh_every), float(run.cfg.sync.bucket_cap_mb))
 
 
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:

@@ -1,0 +1,143 @@
+"""The four SDP variants (B, N, Bb, Nb) on ResNet-18 with 2 and 4 real gloo ranks.
+
+One spawn per world size runs every variant, so each spawn's start-up is paid once. For every
+variant: owners of every piece hold bit-identical values and optimizer state after several steps;
+the averaged gradient of each piece is the mean of its owners' local gradients. Backward masking
+(refresh_every=1) also leaves every rank with the identical full model after every step. With 4
+ranks, grouped and dense synchronisation train to the same parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.hookspecs import hookimpl
+from subnetdp.core.layout import LocalIndex, full_tensors, global_items
+from subnetdp.core.loop import _train, setup
+from subnetdp.core.sync import OwnerGroupAverager
+from tests.helpers import plugin_manager, run_ranks, small_config
+
+VARIANTS = {"B": ("block", "forward"), "N": ("neuron", "forward"),
+            "Bb": ("block", "backward"), "Nb": ("neuron", "backward")}
+STEPS = 3
+
+
+def _key(item) -> tuple:
+    return (item.name, item.dim, item.start, item.stop)
+
+
+def _full_params(run) -> dict[str, torch.Tensor]:
+    """The rank's full-model parameters (shared buffers are per-rank statistics, as in DDP)."""
+    names = run.partition.shared + [s.name for u in run.partition.units for s in u.slices]
+    return full_tensors(run.model, run.pmap, run.partition, names)
+
+
+class _FullModelDigest:
+    """Records, after every step, a hash of the rank's full model (backward masking holds it all)."""
+
+    def __init__(self) -> None:
+        self.digests: list[str] = []
+
+    @hookimpl
+    def subnetdp_on_step_end(self, run, step, metrics) -> None:
+        h = hashlib.sha256()
+        for name, t in sorted(_full_params(run).items()):
+            h.update(name.encode())
+            h.update(t.numpy().tobytes())
+        self.digests.append(h.hexdigest())
+
+
+def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage: float, extra: list[str]) -> dict:
+    granularity, regime = VARIANTS[variant]
+    tag = f"{variant}-{'-'.join(extra) or 'default'}".replace("=", "").replace(".", "")
+    cfg = small_config(f"masker.granularity={granularity}", f"masker.regime={regime}", f"masker.coverage={coverage}",
+                       "masker.units_per_layer=4", f"train.steps={STEPS}", "train.batch_size=8",
+                       "optim.name=adamw", "optim.lr=1e-3", "eval.batches=1", "eval.batch_size=32",
+                       f"comm.init_method={init_method}-{tag}", f"run.name={tag}", *extra,
+                       run_dir=init_method.removeprefix("file://") + "-runs")
+    pm = plugin_manager()
+    digest = _FullModelDigest()
+    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    try:
+        items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
+        index = LocalIndex(run.model, run.pmap)
+        # One step by hand: local gradients first (no communication), then the averaged ones.
+        averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
+                                      max_groups=int(cfg.sync.max_groups))
+        averager.prepare()
+        x, y = next(iter(run.data.train_loader(rank, world, 8)))
+        with averager.no_sync():
+            run.adapter.loss(run.model(x), (x, y)).backward()
+        local = {_key(it): index.view(it, grad=True).clone() for it in items}
+        averager.finish()
+        averaged = {_key(it): index.view(it, grad=True).clone() for it in items}
+        averager.remove_hooks()
+        # Then several real steps through the loop.
+        pm.pm.register(digest)
+        try:
+            _train(run, pm)
+        finally:
+            pm.pm.unregister(digest)
+        params = {_key(it): index.view(it).detach().clone() for it in items}
+        state = {}
+        for it in items:
+            local_name = index.find(it)[0]
+            p = index.tensors[local_name]
+            for k, v in run.optimizer.state[p].items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    sl = v if it.dim is None else v.narrow(it.dim, *(lambda f: (f[2], f[3] - f[2]))(index.find(it)))
+                    state[_key(it) + (k,)] = sl.clone()
+        owners = {_key(it): it.owners for it in global_items(run.partition, run.plan)}
+        full = _full_params(run) if regime == "backward" else {}
+        return {"owners": owners, "local": local, "averaged": averaged, "params": params, "state": state,
+                "full": full, "digests": digest.digests, "summary": run.summary["ranks"][rank],
+                "num_units": run.plan.num_units, "owned": run.plan.owned[rank]}
+    finally:
+        run.comm.shutdown()
+
+
+def _worker(rank: int, world: int, init_method: str, cases: list[tuple[str, float, list[str]]]) -> dict:
+    return {f"{v}/{c}/{' '.join(e)}": _one_variant(rank, world, init_method, v, c, e) for v, c, e in cases}
+
+
+def _check_variant(results: list[dict], world: int, backward: bool) -> None:
+    owners = results[0]["owners"]
+    assert all(r["owners"] == owners for r in results)
+    assert any(len(o) < world for o in owners.values()), "some piece must be held by fewer than all ranks"
+    for key, holders in owners.items():
+        first = holders[0]
+        for r in holders:
+            assert key in results[r]["params"], (key, r)
+            # Owners hold bit-identical values and optimizer state.
+            assert torch.equal(results[r]["params"][key], results[first]["params"][key]), (key, r)
+            for skey, value in results[first]["state"].items():
+                if skey[:4] == key:
+                    assert torch.equal(results[r]["state"][skey], value), (skey, r)
+            # The averaged gradient of a piece is the mean of its owners' local gradients.
+            expected = sum(results[o]["local"][key] for o in holders) / len(holders)
+            torch.testing.assert_close(results[r]["averaged"][key], expected, rtol=1e-6, atol=1e-7)
+        for r in set(range(world)) - set(holders):
+            assert key not in results[r]["params"], (key, r)  # nobody else trains it
+    if backward:
+        # refresh_every=1: every rank holds the identical full model after every step.
+        for r in results[1:]:
+            assert r["digests"] == results[0]["digests"] and len(r["digests"]) == STEPS
+            assert r["full"].keys() == results[0]["full"].keys() and len(r["full"]) > 60
+            for name, t in results[0]["full"].items():
+                assert torch.equal(r["full"][name], t), name
+    else:
+        # Forward masking: a rank holds fewer parameters than the full model.
+        assert all(r["summary"]["params_held"] < results[0]["summary"]["params_held"] * 2 for r in results)
+
+
+CASES_2 = [(v, 0.5, []) for v in VARIANTS]
+
+
+def test_every_variant_on_two_ranks(tmp_path):
+    results = run_ranks(_worker, 2, tmp_path, CASES_2, timeout=240)
+    for v, c, e in CASES_2:
+        key = f"{v}/{c}/{' '.join(e)}"
+        _check_variant([r[key] for r in results], 2, VARIANTS[v][1] == "backward")
