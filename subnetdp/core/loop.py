@@ -155,6 +155,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     run.averager = averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, comm,
                                                  float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
     refresher = _refresher(run)
+    resampler = _resampler(run)
     log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
     _write_start(run, log)
     batches = iter(run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size)))
@@ -191,6 +192,9 @@ def _train(run: Run, pm: PluginManager) -> None:
             if refresher is not None and refresher.due(step):
                 sent = refresher.refresh()  # collective: owners' new values reach every rank
                 sync_bytes, wire = sync_bytes + sent, wire + sent
+            if resampler is not None and resampler.due(step) and step < steps:
+                # collective: every rank re-draws the same plan and receives the pieces it gains.
+                model, optimizer, scheduler, averager, refresher = _redraw(run, resampler, step, steps)
         elapsed = time.perf_counter() - t0
         if measure:
             peak_cpu = tracker.peak  # the tracker slows this step down: keep it out of the timings
@@ -241,6 +245,36 @@ def _refresher(run: Run) -> Any:
 
     return Refresher(run.model, run.pmap, run.plan, run.partition, run.comm,
                      int(run.cfg.masker.refresh_every), float(run.cfg.sync.bucket_cap_mb))
+
+
+def _resampler(run: Run) -> Any:
+    """``masker.resample_every > 0``: the plan re-drawer (None for a fixed plan)."""
+    every = int(getattr(run.cfg.masker, "resample_every", 0) or 0)
+    if every <= 0:
+        return None
+    from subnetdp.core.resample import Resampler
+
+    return Resampler(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan, run.cfg.masker,
+                     run.comm, every)
+
+
+def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple:
+    """Switch to the next plan of the family: new model, fresh optimizer state, same schedule."""
+    import warnings
+
+    run.averager.remove_hooks()
+    run.model, run.pmap, run.plan = resampler.redraw(step, run.model, run.pmap, run.plan)
+    run.model.train()
+    run.optimizer = build_optimizer(run.cfg.optim, run.model.parameters())
+    scheduler = build_schedule(run.cfg.optim, run.optimizer, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fast-forwarding the schedule before the first optimizer step
+        for _ in range(step):
+            scheduler.step()
+    cfg = run.cfg
+    run.averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
+                                      float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+    return run.model, run.optimizer, scheduler, run.averager, _refresher(run)
 
 
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:

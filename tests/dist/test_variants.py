@@ -40,6 +40,7 @@ class _FullModelDigest:
 
     def __init__(self) -> None:
         self.digests: list[str] = []
+        self.plans: list[str] = []
 
     @hookimpl
     def subnetdp_on_step_end(self, run, step, metrics) -> None:
@@ -48,6 +49,7 @@ class _FullModelDigest:
             h.update(name.encode())
             h.update(t.numpy().tobytes())
         self.digests.append(h.hexdigest())
+        self.plans.append(run.plan.digest())
 
 
 def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage: float, extra: list[str]) -> dict:
@@ -61,6 +63,7 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
     pm = plugin_manager()
     digest = _FullModelDigest()
     run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    run.plan0 = run.plan
     try:
         items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
         index = LocalIndex(run.model, run.pmap)
@@ -81,6 +84,10 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
             _train(run, pm)
         finally:
             pm.pm.unregister(digest)
+        owners0 = {_key(it): it.owners for it in global_items(run.partition, run.plan0)}
+        # The plan (and model) may have been re-drawn: read the final ones.
+        items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
+        index = LocalIndex(run.model, run.pmap)
         params = {_key(it): index.view(it).detach().clone() for it in items}
         state = {}
         for it in items:
@@ -92,7 +99,7 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
                     state[_key(it) + (k,)] = sl.clone()
         owners = {_key(it): it.owners for it in global_items(run.partition, run.plan)}
         full = _full_params(run) if regime == "backward" else {}
-        return {"owners": owners, "local": local, "averaged": averaged, "params": params, "state": state,
+        return {"owners": owners, "owners0": owners0, "plans": digest.plans, "local": local, "averaged": averaged, "params": params, "state": state,
                 "full": full, "digests": digest.digests, "summary": run.summary["ranks"][rank],
                 "num_units": run.plan.num_units, "owned": run.plan.owned[rank]}
     finally:
@@ -116,11 +123,13 @@ def _check_variant(results: list[dict], world: int, backward: bool) -> None:
             for skey, value in results[first]["state"].items():
                 if skey[:4] == key:
                     assert torch.equal(results[r]["state"][skey], value), (skey, r)
-            # The averaged gradient of a piece is the mean of its owners' local gradients.
-            expected = sum(results[o]["local"][key] for o in holders) / len(holders)
-            torch.testing.assert_close(results[r]["averaged"][key], expected, rtol=1e-6, atol=1e-7)
         for r in set(range(world)) - set(holders):
             assert key not in results[r]["params"], (key, r)  # nobody else trains it
+    for key, holders in results[0]["owners0"].items():
+        # The averaged gradient of a piece is the mean of its owners' local gradients (first step).
+        expected = sum(results[o]["local"][key] for o in holders) / len(holders)
+        for r in holders:
+            torch.testing.assert_close(results[r]["averaged"][key], expected, rtol=1e-6, atol=1e-7)
     if backward:
         # refresh_every=1: every rank holds the identical full model after every step.
         for r in results[1:]:
@@ -133,11 +142,31 @@ def _check_variant(results: list[dict], world: int, backward: bool) -> None:
         assert all(r["summary"]["params_held"] < results[0]["summary"]["params_held"] * 2 for r in results)
 
 
-CASES_2 = [(v, 0.5, []) for v in VARIANTS]
+def _check_resampled(results: list[dict], variant: str) -> None:
+    """With lr 0 nothing learns, so after re-draws every held piece must equal the initial model's."""
+    assert len(set(results[0]["plans"])) > 1, "the plan was re-drawn"
+    granularity = VARIANTS[variant][0]
+    cfg = small_config(f"masker.granularity={granularity}", "masker.units_per_layer=4")
+    pm = plugin_manager()
+    data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
+    adapter = pm.get("model", cfg.model.name)(cfg.model)
+    torch.manual_seed(int(cfg.seed))
+    initial = dict(adapter.build(data.spec()).named_parameters())
+    for res in results:
+        assert res["params"]
+        for (name, dim, start, stop), value in res["params"].items():
+            ref = initial[name] if dim is None else initial[name].narrow(dim, start, stop - start)
+            assert torch.equal(value, ref.detach()), name
+
+
+RESAMPLE = ["masker.resample_every=1", "optim.lr=0"]
+CASES_2 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, RESAMPLE), ("Bb", 0.5, RESAMPLE)]
 
 
 def test_every_variant_on_two_ranks(tmp_path):
-    results = run_ranks(_worker, 2, tmp_path, CASES_2, timeout=240)
+    results = run_ranks(_worker, 2, tmp_path, CASES_2, timeout=300)
     for v, c, e in CASES_2:
         key = f"{v}/{c}/{' '.join(e)}"
         _check_variant([r[key] for r in results], 2, VARIANTS[v][1] == "backward")
+        if e == RESAMPLE:
+            _check_resampled([r[key] for r in results], v)
