@@ -13,10 +13,12 @@ import hashlib
 
 import torch
 
+from subnetdp.core.backward import apply_backward_masking
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.core.layout import LocalIndex, full_tensors, global_items
 from subnetdp.core.loop import _train, setup
+from subnetdp.core.resample import family
 from subnetdp.core.sync import OwnerGroupAverager
 from tests.helpers import plugin_manager, run_ranks, small_config
 
@@ -106,8 +108,66 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
         run.comm.shutdown()
 
 
-def _worker(rank: int, world: int, init_method: str, cases: list[tuple[str, float, list[str]]]) -> dict:
-    return {f"{v}/{c}/{' '.join(e)}": _one_variant(rank, world, init_method, v, c, e) for v, c, e in cases}
+def _family_gradients(rank: int, world: int, init_method: str, variant: str) -> dict:
+    """Backward masking: this rank's full local gradient, and the averaged gradient under every plan
+    of the rotation family, all on the same batch and the same initial weights."""
+    granularity = VARIANTS[variant][0]
+    cfg = small_config(f"masker.granularity={granularity}", "masker.regime=backward", "masker.coverage=0.5",
+                       "masker.units_per_layer=4", f"comm.init_method={init_method}-fam{variant}",
+                       f"run.name=fam{variant}", run_dir=init_method.removeprefix("file://") + "-runs")
+    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
+    try:
+        x, y = next(iter(run.data.train_loader(rank, world, 8)))
+
+        def fresh():
+            torch.manual_seed(int(cfg.seed))
+            return run.adapter.build(run.spec)
+
+        full = fresh()
+        run.adapter.loss(full(x), (x, y)).backward()
+        local = {n: p.grad.clone() for n, p in full.named_parameters()}
+        per_plan = []
+        for plan in family(run.plan, run.partition):
+            model, pmap = apply_backward_masking(fresh(), run.partition, plan.owned[rank])
+            averager = OwnerGroupAverager(model, pmap, plan, run.partition, run.comm)
+            averager.prepare()
+            run.adapter.loss(model(x), (x, y)).backward()
+            averager.finish()
+            averager.remove_hooks()
+            index = LocalIndex(model, pmap)
+            per_plan.append({_key(it): (it.owners, index.view(it, grad=True).clone())
+                             for it in global_items(run.partition, plan) if rank in it.owners})
+        return {"local": local, "per_plan": per_plan}
+    finally:
+        run.comm.shutdown()
+
+
+def _worker(rank: int, world: int, init_method: str, cases: list[tuple[str, float, list[str]]],
+            unbiased: tuple[str, ...] = ()) -> dict:
+    out = {f"{v}/{c}/{' '.join(e)}": _one_variant(rank, world, init_method, v, c, e) for v, c, e in cases}
+    for variant in unbiased:
+        out[f"family/{variant}"] = _family_gradients(rank, world, init_method, variant)
+    return out
+
+
+def _check_unbiased(results: list[dict], world: int) -> None:
+    """Averaged over every plan of the family, the aggregated gradient is the full-batch gradient."""
+    expected = {n: sum(r["local"][n] for r in results) / world for n in results[0]["local"]}
+    members = len(results[0]["per_plan"])
+    assert members > 1
+    total: dict[tuple, torch.Tensor] = {}
+    for d in range(members):
+        seen = {}
+        for r in range(world):
+            for key, (owners, g) in results[r]["per_plan"][d].items():
+                if r == owners[0]:  # the aggregated gradient of a piece, as its first owner holds it
+                    seen[key] = g
+        for key, g in seen.items():
+            total[key] = total.get(key, 0) + g / members
+    assert {k[0] for k in total} == set(expected)
+    for (name, dim, start, stop), g in total.items():
+        ref = expected[name] if dim is None else expected[name].narrow(dim, start, stop - start)
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
 def _check_variant(results: list[dict], world: int, backward: bool) -> None:
@@ -170,3 +230,24 @@ def test_every_variant_on_two_ranks(tmp_path):
         _check_variant([r[key] for r in results], 2, VARIANTS[v][1] == "backward")
         if e == RESAMPLE:
             _check_resampled([r[key] for r in results], v)
+
+
+DENSE = ["sync.max_groups=1"]
+CASES_4 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, DENSE)]
+
+
+def test_every_variant_on_four_ranks_dense_sync_and_unbiasedness(tmp_path):
+    results = run_ranks(_worker, 4, tmp_path, CASES_4, ("Bb", "Nb"), timeout=420)
+    for v, c, e in CASES_4:
+        key = f"{v}/{c}/{' '.join(e)}"
+        _check_variant([r[key] for r in results], 4, VARIANTS[v][1] == "backward")
+    # Grouped and dense synchronisation train to the same parameters.
+    grouped, dense = "N/0.5/", f"N/0.5/{' '.join(DENSE)}"
+    for r in results:
+        assert r[grouped]["params"].keys() == r[dense]["params"].keys()
+        for k, v in r[grouped]["params"].items():
+            torch.testing.assert_close(r[dense]["params"][k], v, rtol=1e-5, atol=1e-6)
+        # Dense mode sends the whole model's gradient over the world; grouped only owned pieces.
+        assert r[dense]["summary"]["bytes_sent_per_step"] > r[grouped]["summary"]["bytes_sent_per_step"]
+    for variant in ("Bb", "Nb"):
+        _check_unbiased([r[f"family/{variant}"] for r in results], 4)
