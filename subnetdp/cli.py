@@ -1,4 +1,4 @@
-"""``subnetdp`` command line: train, plugins."""
+"""``subnetdp`` command line: train, plan, plugins."""
 
 from __future__ import annotations
 
@@ -51,6 +51,28 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from subnetdp.core.config import compose
+    from subnetdp.core.metrics import plan_figure
+    from subnetdp.core.plan import MaskPlan
+    from subnetdp.core.planreport import format_report, plan_report
+    from subnetdp.core.plugins import PluginManager
+
+    recipe, overrides = _split_args(ns.args)
+    pm = PluginManager()
+    cfg = compose(recipe, overrides, pm.registries)
+    world = int(ns.world_size or cfg.launch.nproc)
+    if world < 1:
+        raise SubnetdpError(f"--world-size={world}: must be at least 1")
+    report = plan_report(cfg, world, pm, estimate=not ns.no_estimate)
+    if ns.png:
+        plan = MaskPlan.from_dict(report)
+        fig = plan_figure(plan.as_image(), [u["name"] for u in report["units"]], plan.owner_counts())
+        fig.savefig(ns.png, dpi=120)
+    print(json.dumps(report, indent=2) if ns.json else format_report(report))
+    return 0
+
+
 def cmd_plugins(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager, format_table
 
@@ -75,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
                    help="a recipe file or built-in recipe name, then config overrides")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("plan", help="the mask plan, memory and bytes per rank, without training",
+                       description="Show the mask plan of a config for N ranks: ranks x units table, owner "
+                                   "counts, connectivity and spectral gap, parameters per rank, and the "
+                                   "peak memory and bytes per step of one training step, estimated by a "
+                                   "dry run under FakeTensorMode (nothing is allocated).")
+    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
+                   help="a recipe file or built-in recipe name, then config overrides")
+    p.add_argument("--world-size", "-n", type=int, default=0, help="number of ranks (default: launch.nproc)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
+    p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("plugins", help="list installed plugins",
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -132,6 +132,10 @@ class Refresher:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def bytes_per_refresh(self) -> int:
+        """Payload this rank hands to broadcasts in one refresh."""
+        return sum(numel for _, _, numel in self.chunks) * torch.empty((), dtype=self.dtype).element_size()
+
     @torch.no_grad()
     def refresh(self) -> int:
         """One refresh; returns the bytes this rank handed to broadcasts."""

@@ -168,7 +168,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     model.train()
     for step in range(1, steps + 1):
         measure = device.type == "cpu" and step == min(int(cfg.train.memory_step), steps)
-        tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer)))
+        tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer,
+                                                                               averager.state_tensors())))
                    if measure else contextlib.nullcontext())
         t0 = time.perf_counter()
         with tracker:

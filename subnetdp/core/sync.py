@@ -153,7 +153,8 @@ class OwnerGroupAverager:
         self._view: dict[str, tuple[Bucket, int]] = {}
         if not self.dense:
             for b in self.buckets:
-                b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
+                if b.k > 1:  # a piece with one owner needs no averaging and no bucket
+                    b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
             for name, segs in self._segments_of.items():
                 if self._viewable(self.params[name], segs):
                     first = min(s.offset for _, s in segs)
@@ -322,6 +323,10 @@ class OwnerGroupAverager:
     def bytes_per_step(self) -> int:
         """Payload this rank hands to gradient collectives per step."""
         return sum(b.numel for b in self.buckets if self.dense or b.k > 1) * torch.empty((), dtype=self._dtype()).element_size()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The persistent bucket buffers (grouped mode), for memory accounting."""
+        return [b.buffer for b in self.buckets if b.buffer is not None]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -10,9 +10,11 @@ ranks, grouped and dense synchronisation train to the same parameters.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 
+from subnetdp import cli
 from subnetdp.core.backward import apply_backward_masking
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
@@ -54,13 +56,18 @@ class _FullModelDigest:
         self.plans.append(run.plan.digest())
 
 
-def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage: float, extra: list[str]) -> dict:
+def _overrides(variant: str, coverage: float, extra: list[str]) -> list[str]:
     granularity, regime = VARIANTS[variant]
+    return [f"masker.granularity={granularity}", f"masker.regime={regime}", f"masker.coverage={coverage}",
+            "masker.units_per_layer=4", f"train.steps={STEPS}", "train.batch_size=8",
+            "optim.name=adamw", "optim.lr=1e-3", "eval.batches=1", "eval.batch_size=32", *extra]
+
+
+def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage: float, extra: list[str]) -> dict:
+    regime = VARIANTS[variant][1]
     tag = f"{variant}-{'-'.join(extra) or 'default'}".replace("=", "").replace(".", "")
-    cfg = small_config(f"masker.granularity={granularity}", f"masker.regime={regime}", f"masker.coverage={coverage}",
-                       "masker.units_per_layer=4", f"train.steps={STEPS}", "train.batch_size=8",
-                       "optim.name=adamw", "optim.lr=1e-3", "eval.batches=1", "eval.batch_size=32",
-                       f"comm.init_method={init_method}-{tag}", f"run.name={tag}", *extra,
+    cfg = small_config(*_overrides(variant, coverage, extra),
+                       f"comm.init_method={init_method}-{tag}", f"run.name={tag}",
                        run_dir=init_method.removeprefix("file://") + "-runs")
     pm = plugin_manager()
     digest = _FullModelDigest()
@@ -223,13 +230,26 @@ RESAMPLE = ["masker.resample_every=1", "optim.lr=0"]
 CASES_2 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, RESAMPLE), ("Bb", 0.5, RESAMPLE)]
 
 
-def test_every_variant_on_two_ranks(tmp_path):
+def test_every_variant_on_two_ranks_and_plan_estimates(tmp_path, capsys):
     results = run_ranks(_worker, 2, tmp_path, CASES_2, timeout=300)
     for v, c, e in CASES_2:
         key = f"{v}/{c}/{' '.join(e)}"
         _check_variant([r[key] for r in results], 2, VARIANTS[v][1] == "backward")
         if e == RESAMPLE:
             _check_resampled([r[key] for r in results], v)
+    # `subnetdp plan` (a dry run under FakeTensorMode) predicts the peak the real step measured.
+    capsys.readouterr()
+    for v in ("N", "Bb"):
+        base = ["train.progress=false", "launch.threads_per_rank=1", "eval.bn_recalibrate_batches=0",
+                "train.log_every=1000", "optim.warmup_steps=0"]
+        assert cli.main(["plan", "resnet18_digits", *base, *_overrides(v, 0.5, []), "-n", "2", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        for r in range(2):
+            measured = results[r][f"{v}/0.5/"]["summary"]
+            estimated = report["ranks"][r]
+            assert estimated["params_held"] == measured["params_held"]
+            assert abs(estimated["peak_memory_bytes"] / measured["peak_memory_bytes"] - 1) < 0.05, (v, r, estimated, measured)
+            assert abs(estimated["bytes_per_step"] / measured["bytes_sent_per_step"] - 1) < 0.01, (v, r)
 
 
 DENSE = ["sync.max_groups=1"]
