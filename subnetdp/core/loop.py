@@ -316,7 +316,8 @@ def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_pe
     mine = {"rank": run.rank, "params_held": params_held, "peak_memory_bytes": peak,
             "memory_measured_by": "cuda allocator" if run.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
-            "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank]}
+            "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank],
+            "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,

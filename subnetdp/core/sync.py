@@ -56,6 +56,7 @@ class Bucket:
     pending: int = 0
     handle: Handle | None = None
     contributors: set[str] = field(default_factory=set)
+    persistent: bool = False  # holds gradient views: lives across steps; else allocated per step
 
     @property
     def k(self) -> int:
@@ -152,13 +153,18 @@ class OwnerGroupAverager:
                     b.contributors.add(s.local)
         self._view: dict[str, tuple[Bucket, int]] = {}
         if not self.dense:
-            for b in self.buckets:
-                if b.k > 1:  # a piece with one owner needs no averaging and no bucket
-                    b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
             for name, segs in self._segments_of.items():
                 if self._viewable(self.params[name], segs):
                     first = min(s.offset for _, s in segs)
                     self._view[name] = (segs[0][0], first)
+                    segs[0][0].persistent = True
+            for b in self.buckets:
+                if b.persistent:
+                    b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
+        # A parameter whose pieces all go through buckets can drop its own gradient once copied in
+        # (it gets a fresh one at copy-out), so sliced tensors do not hold their gradient twice.
+        self._release = {n for n, segs in self._segments_of.items() if n not in self._view
+                         and sum(s.item.numel for _, s in segs) == self.params[n].numel()}
         # Each owner set launches its buckets in this fixed order: collectives within one group must
         # be issued in the same order on all its members.
         self._order: dict[tuple[int, ...], list[Bucket]] = {}
@@ -202,8 +208,10 @@ class OwnerGroupAverager:
         for b in self.buckets:
             b.handle = None
             b.pending = len(b.contributors)
-            if b.buffer is not None:
+            if b.persistent:
                 b.buffer.zero_()
+            else:
+                b.buffer = None
         for name, (b, off) in self._view.items():
             p = self.params[name]
             p.grad = b.buffer[off:off + p.numel()].view_as(p)
@@ -234,13 +242,21 @@ class OwnerGroupAverager:
         touched = []
         for b, s in self._segments_of.get(name, []):
             if name not in self._view:
-                b.buffer[s.offset:s.offset + s.item.numel].view(s.item.shape).copy_(self._local(p.grad, s))
+                self._ensure_buffer(b)[s.offset:s.offset + s.item.numel].view(s.item.shape).copy_(
+                    self._local(p.grad, s))
             if all(b is not t for t in touched):
                 touched.append(b)
+        if name in self._release:
+            p.grad = None
         for b in touched:
             b.pending -= 1
             if b.pending == 0:
                 self._launch_ready(b.owners)
+
+    def _ensure_buffer(self, b: Bucket) -> torch.Tensor:
+        if b.buffer is None:
+            b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
+        return b.buffer
 
     @staticmethod
     def _local(t: torch.Tensor, s: Segment) -> torch.Tensor:
@@ -251,7 +267,7 @@ class OwnerGroupAverager:
         i = self._next[owners]
         while i < len(order) and (force or order[i].pending <= 0):
             # collective: every member of the owner set issues its buckets in the same order.
-            order[i].handle = self.comm.all_reduce(order[i].buffer, order[i].owners, async_op=True)
+            order[i].handle = self.comm.all_reduce(self._ensure_buffer(order[i]), order[i].owners, async_op=True)
             i += 1
         self._next[owners] = i
 
@@ -271,8 +287,12 @@ class OwnerGroupAverager:
             b.buffer.div_(b.k)
             for s in b.segments:
                 if s.local is not None and s.local not in self._view:
-                    self._local(self.params[s.local].grad, s).copy_(
-                        b.buffer[s.offset:s.offset + s.item.numel].view(s.item.shape))
+                    p = self.params[s.local]
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)  # released at copy-in; every piece is written here
+                    self._local(p.grad, s).copy_(b.buffer[s.offset:s.offset + s.item.numel].view(s.item.shape))
+            if not b.persistent:
+                b.buffer = None  # per-step buckets live from the first copy-in to the copy-out
 
     def _finish_dense(self) -> None:
         for p in self.params.values():

@@ -177,7 +177,7 @@ def _check_unbiased(results: list[dict], world: int) -> None:
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
-def _check_variant(results: list[dict], world: int, backward: bool) -> None:
+def _check_variant(results: list[dict], world: int, backward: bool, refresh_every: int = 1) -> None:
     owners = results[0]["owners"]
     assert all(r["owners"] == owners for r in results)
     assert any(len(o) < world for o in owners.values()), "some piece must be held by fewer than all ranks"
@@ -197,7 +197,12 @@ def _check_variant(results: list[dict], world: int, backward: bool) -> None:
         expected = sum(results[o]["local"][key] for o in holders) / len(holders)
         for r in holders:
             torch.testing.assert_close(results[r]["averaged"][key], expected, rtol=1e-6, atol=1e-7)
-    if backward:
+    if backward and refresh_every > 1:
+        # Non-owned copies go stale between refreshes and agree again right after one.
+        for step in range(1, STEPS + 1):
+            same = all(r["digests"][step - 1] == results[0]["digests"][step - 1] for r in results)
+            assert same == (step % refresh_every == 0), step
+    elif backward:
         # refresh_every=1: every rank holds the identical full model after every step.
         for r in results[1:]:
             assert r["digests"] == results[0]["digests"] and len(r["digests"]) == STEPS
@@ -227,16 +232,21 @@ def _check_resampled(results: list[dict], variant: str) -> None:
 
 
 RESAMPLE = ["masker.resample_every=1", "optim.lr=0"]
-CASES_2 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, RESAMPLE), ("Bb", 0.5, RESAMPLE)]
+REFRESH2 = ["masker.refresh_every=2"]
+CASES_2 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, RESAMPLE), ("Bb", 0.5, RESAMPLE), ("Nb", 0.5, REFRESH2)]
 
 
 def test_every_variant_on_two_ranks_and_plan_estimates(tmp_path, capsys):
     results = run_ranks(_worker, 2, tmp_path, CASES_2, timeout=300)
     for v, c, e in CASES_2:
         key = f"{v}/{c}/{' '.join(e)}"
-        _check_variant([r[key] for r in results], 2, VARIANTS[v][1] == "backward")
+        _check_variant([r[key] for r in results], 2, VARIANTS[v][1] == "backward", 2 if e == REFRESH2 else 1)
         if e == RESAMPLE:
             _check_resampled([r[key] for r in results], v)
+    # Refreshing every second step halves the broadcast bytes per step.
+    for r in results:
+        every1, every2 = r["Nb/0.5/"]["summary"], r[f"Nb/0.5/{REFRESH2[0]}"]["summary"]
+        assert every2["bytes_sent_per_step"] < 0.8 * every1["bytes_sent_per_step"]
     # `subnetdp plan` (a dry run under FakeTensorMode) predicts the peak the real step measured.
     capsys.readouterr()
     for v in ("N", "Bb"):
@@ -267,6 +277,7 @@ def test_every_variant_on_four_ranks_dense_sync_and_unbiasedness(tmp_path):
         assert r[grouped]["params"].keys() == r[dense]["params"].keys()
         for k, v in r[grouped]["params"].items():
             torch.testing.assert_close(r[dense]["params"][k], v, rtol=1e-5, atol=1e-6)
+        assert r[dense]["summary"]["sync"] == "dense" and r[grouped]["summary"]["sync"] == "grouped"
         # Dense mode sends the whole model's gradient over the world; grouped only owned pieces.
         assert r[dense]["summary"]["bytes_sent_per_step"] > r[grouped]["summary"]["bytes_sent_per_step"]
     for variant in ("Bb", "Nb"):
