@@ -284,6 +284,7 @@ class OwnerGroupAverager:
             if b.k == 1:
                 continue
             b.handle.wait()
+            b.handle = None  # the work object keeps the buffer alive: let per-step buckets go now
             b.buffer.div_(b.k)
             for s in b.segments:
                 if s.local is not None and s.local not in self._view:

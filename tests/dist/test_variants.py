@@ -9,7 +9,9 @@ ranks, grouped and dense synchronisation train to the same parameters.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 
 import torch
@@ -236,7 +238,7 @@ REFRESH2 = ["masker.refresh_every=2"]
 CASES_2 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, RESAMPLE), ("Bb", 0.5, RESAMPLE), ("Nb", 0.5, REFRESH2)]
 
 
-def test_every_variant_on_two_ranks_and_plan_estimates(tmp_path, capsys):
+def test_every_variant_on_two_ranks_and_plan_estimates(tmp_path):
     results = run_ranks(_worker, 2, tmp_path, CASES_2, timeout=300)
     for v, c, e in CASES_2:
         key = f"{v}/{c}/{' '.join(e)}"
@@ -247,14 +249,19 @@ def test_every_variant_on_two_ranks_and_plan_estimates(tmp_path, capsys):
     for r in results:
         every1, every2 = r["Nb/0.5/"]["summary"], r[f"Nb/0.5/{REFRESH2[0]}"]["summary"]
         assert every2["bytes_sent_per_step"] < 0.8 * every1["bytes_sent_per_step"]
-    # `subnetdp plan` (a dry run under FakeTensorMode) predicts the peak the real step measured.
-    capsys.readouterr()
-    for v in ("N", "Bb"):
+    _check_plan_estimates(results, 2, ["N", "Bb"])
+
+
+def _check_plan_estimates(results: list[dict], world: int, variants: list[str]) -> None:
+    """`subnetdp plan` (a dry run under FakeTensorMode) predicts the peak the real step measured."""
+    for v in variants:
         base = ["train.progress=false", "launch.threads_per_rank=1", "eval.bn_recalibrate_batches=0",
                 "train.log_every=1000", "optim.warmup_steps=0"]
-        assert cli.main(["plan", "resnet18_digits", *base, *_overrides(v, 0.5, []), "-n", "2", "--json"]) == 0
-        report = json.loads(capsys.readouterr().out)
-        for r in range(2):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["plan", "resnet18_digits", *base, *_overrides(v, 0.5, []), "-n", str(world), "--json"]) == 0
+        report = json.loads(out.getvalue())
+        for r in range(world):
             measured = results[r][f"{v}/0.5/"]["summary"]
             estimated = report["ranks"][r]
             assert estimated["params_held"] == measured["params_held"]
@@ -280,5 +287,6 @@ def test_every_variant_on_four_ranks_dense_sync_and_unbiasedness(tmp_path):
         assert r[dense]["summary"]["sync"] == "dense" and r[grouped]["summary"]["sync"] == "grouped"
         # Dense mode sends the whole model's gradient over the world; grouped only owned pieces.
         assert r[dense]["summary"]["bytes_sent_per_step"] > r[grouped]["summary"]["bytes_sent_per_step"]
+    _check_plan_estimates(results, 4, ["N", "Bb"])
     for variant in ("Bb", "Nb"):
         _check_unbiased([r[f"family/{variant}"] for r in results], 4)
