@@ -1,4 +1,4 @@
-"""``subnetdp`` command line: train, launch, eval, export, plugins, prepare-text."""
+"""``subnetdp`` command line: train, plan, launch, eval, export, plugins, prepare-text."""
 
 from __future__ import annotations
 
@@ -58,6 +58,14 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
 
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from subnetdp.core.config import compose
+    from subnetdp.core.metrics import plan_figure
+    from subnetdp.core.plan import MaskPlan
+    from subnetdp.core.planreport import format_report, plan_report
+    from subnetdp.core.plugins import PluginManager
+
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
@@ -67,6 +75,16 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     preflight(cfg, ns.nproc, pm)  # a bad config or plan fails here, before any worker starts
     return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
                       ns.launcher_args.split(), ns.dry_run)
+    world = int(ns.world_size or cfg.launch.nproc)
+    if world < 1:
+        raise SubnetdpError(f"--world-size={world}: must be at least 1")
+    report = plan_report(cfg, world, pm, estimate=not ns.no_estimate)
+    if ns.png:
+        plan = MaskPlan.from_dict(report)
+        fig = plan_figure(plan.as_image(), [u["name"] for u in report["units"]], plan.owner_counts())
+        fig.savefig(ns.png, dpi=120)
+    print(json.dumps(report, indent=2) if ns.json else format_report(report))
+    return 0
 
 
 def cmd_plugins(ns: argparse.Namespace) -> int:
@@ -150,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
                    help="a recipe file or built-in recipe name, then config overrides")
     p.set_defaults(func=cmd_launch)
+    p = sub.add_parser("plan", help="the mask plan, memory and bytes per rank, without training",
+                       description="Show the mask plan of a config for N ranks: ranks x units table, owner "
+                                   "counts, connectivity and spectral gap, parameters per rank, and the "
+                                   "peak memory and bytes per step of one training step, estimated by a "
+                                   "dry run under FakeTensorMode (nothing is allocated).")
+    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
+                   help="a recipe file or built-in recipe name, then config overrides")
+    p.add_argument("--world-size", "-n", type=int, default=0, help="number of ranks (default: launch.nproc)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
+    p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("plugins", help="list installed plugins",
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")

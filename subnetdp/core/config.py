@@ -101,8 +101,8 @@ class RunConfig:
 
 
 CHOICES = {
-    "masker.granularity": ("block",),
-    "masker.regime": ("forward",),
+    "masker.granularity": ("block", "neuron"),
+    "masker.regime": ("forward", "backward"),
     "optim.name": ("sgd", "adamw", "adam"),
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32",),
@@ -296,6 +296,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
         _check_choice(cfg, key, choices)
     _check_range(cfg, "masker.coverage", 0.0, 1.0, lo_open=True, fix="use a coverage such as 0.5 (1 = plain DDP)")
     _check_range(cfg, "masker.min_owners", 1, None)
+    _check_masker_counts(cfg)
     _check_range(cfg, "train.steps", 1, None)
     _check_range(cfg, "train.batch_size", 1, None)
     _check_range(cfg, "train.grad_accum", 1, None)
@@ -326,6 +327,15 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     elif resume != "never" and not Path(resume).exists():
         raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+def _check_masker_counts(cfg: DictConfig) -> None:
+    """``units_per_layer`` and ``refresh_every`` at least 1, ``resample_every`` at least 0."""
+    for key, lo, fix in (("units_per_layer", 1, "the default is 8"),
+                         ("refresh_every", 1, "1 refreshes non-owned copies after every step"),
+                         ("resample_every", 0, "0 keeps the plan fixed")):
+        if OmegaConf.select(cfg, f"masker.{key}") is not None:
+            _check_range(cfg, f"masker.{key}", lo, None, fix=fix)
 
 
 def to_yaml(cfg: DictConfig) -> str:

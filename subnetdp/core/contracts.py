@@ -135,7 +135,8 @@ class ParamMap:
 
     Attributes:
         pieces: local name -> pieces (owned units sit in ascending id order in the local layout).
-        unit_of: local name -> id of the unit the tensor belongs to, or None for a shared tensor.
+        unit_of: local name -> id of the unit the tensor belongs to, or None for a shared tensor
+            or one that holds pieces of several units (its pieces then say where each lies).
     """
 
     pieces: dict[str, list[Piece]]
@@ -224,7 +225,10 @@ class MaskerConfig(PluginConfig):
     coverage: float = 0.5
     min_owners: int = 1
     group_by: str = "auto"
-    rescale: Optional[bool] = None
+    rescale: Optional[bool] = None  # None: on for neuron level, off for block level
+    units_per_layer: int = 8  # neuron level: ranges each layer's hidden dimension is cut into
+    refresh_every: int = 1  # backward masking: broadcast owners' values to all ranks every N steps
+    resample_every: int = 0  # re-draw the plan every N steps from a fixed family (0 = never)
 
 
 @dataclass
@@ -374,7 +378,11 @@ class ModelAdapter(Plugin, abc.ABC):
 
     @abc.abstractmethod
     def partition(self, model: "nn.Module", granularity: str, spec: DataSpec) -> Partition:
-        """Cut the full model into units and shared tensors."""
+        """Cut the full model into units and shared tensors.
+
+        Adapters that list ``neuron`` in ``granularities`` also accept ``units_per_layer: int``
+        (``masker.units_per_layer``), passed by keyword for neuron level only.
+        """
 
     @abc.abstractmethod
     def materialize(self, model: "nn.Module", owned: Sequence[int], partition: Partition) -> tuple["nn.Module", ParamMap]:
@@ -382,6 +390,9 @@ class ModelAdapter(Plugin, abc.ABC):
 
         Takes ownership of ``model``: the returned module may reuse (and the caller must not use)
         its submodules. Tensors of dropped units are freed when the caller drops ``model``.
+        Neuron level: owned pieces sit in ascending unit order in each narrowed tensor, and the
+        keyword ``rescale: bool`` (passed for neuron level only) asks the adapter to scale each
+        narrowed hidden activation by ``K_g / n_g`` in training.
         """
 
     def blocks(self, submodel: "nn.Module") -> list["nn.Module"]:

@@ -24,6 +24,7 @@ from subnetdp.core.plugins import PluginManager
 from subnetdp.core.resume import Checkpointer
 from subnetdp.core.sync import OwnerGroupAverager
 from subnetdp.core.union import assemble_union, evaluate
+from subnetdp.core.variants import is_backward, local_model, partition_model
 
 
 @dataclass
@@ -70,7 +71,7 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
     # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
     torch.manual_seed(int(cfg.seed))
     full = adapter.build(spec)
-    partition = adapter.partition(full, str(cfg.masker.granularity), spec)
+    partition = partition_model(adapter, full, cfg.masker, spec)
     plan = make_plan(masker, partition, world_size, int(cfg.seed), int(cfg.masker.min_owners))
     return data, spec, adapter, full, partition, plan
 
@@ -92,8 +93,8 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
-    model, pmap = adapter.materialize(full, plan.owned[env.rank], partition)
-    del full  # frees the tensors of units this rank does not own
+    model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
+    del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
     return Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
 
@@ -185,6 +186,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     scheduler = build_schedule(cfg.optim, optimizer, steps)
     run.averager = averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, comm,
                                                  float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+    refresher = _refresher(run)
+    resampler = _resampler(run)
     log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
     _write_start(run, log)
     loader = run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size))
@@ -202,7 +205,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     model.train()
     for step in range(first, steps + 1):
         measure = device.type == "cpu" and step == min(max(int(cfg.train.memory_step), first), steps)
-        tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer)))
+        tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer,
+                                                                               averager.state_tensors())))
                    if measure else contextlib.nullcontext())
         t0 = time.perf_counter()
         with tracker:
@@ -229,6 +233,12 @@ def _train(run: Run, pm: PluginManager) -> None:
             if finite:
                 optimizer.step()
             scheduler.step()
+            if refresher is not None and refresher.due(step):
+                sent = refresher.refresh()  # collective: owners' new values reach every rank
+                sync_bytes, wire = sync_bytes + sent, wire + sent
+            if resampler is not None and resampler.due(step) and step < steps:
+                # collective: every rank re-draws the same plan and receives the pieces it gains.
+                model, optimizer, scheduler, averager, refresher = _redraw(run, resampler, step, steps)
         elapsed = time.perf_counter() - t0
         if measure:
             peak_cpu = tracker.peak  # the tracker slows this step down: keep it out of the timings
@@ -277,6 +287,46 @@ def _train(run: Run, pm: PluginManager) -> None:
     pm.hook.subnetdp_on_run_end(run=run)
 
 
+def _refresher(run: Run) -> Any:
+    """Backward masking: the broadcaster of owners' values (None for forward masking)."""
+    if not is_backward(run.cfg.masker):
+        return None
+    from subnetdp.core.backward import Refresher
+
+    return Refresher(run.model, run.pmap, run.plan, run.partition, run.comm,
+                     int(run.cfg.masker.refresh_every), float(run.cfg.sync.bucket_cap_mb))
+
+
+def _resampler(run: Run) -> Any:
+    """``masker.resample_every > 0``: the plan re-drawer (None for a fixed plan)."""
+    every = int(getattr(run.cfg.masker, "resample_every", 0) or 0)
+    if every <= 0:
+        return None
+    from subnetdp.core.resample import Resampler
+
+    return Resampler(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan, run.cfg.masker,
+                     run.comm, every)
+
+
+def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple:
+    """Switch to the next plan of the family: new model, fresh optimizer state, same schedule."""
+    import warnings
+
+    run.averager.remove_hooks()
+    run.model, run.pmap, run.plan = resampler.redraw(step, run.model, run.pmap, run.plan)
+    run.model.train()
+    run.optimizer = build_optimizer(run.cfg.optim, run.model.parameters())
+    scheduler = build_schedule(run.cfg.optim, run.optimizer, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fast-forwarding the schedule before the first optimizer step
+        for _ in range(step):
+            scheduler.step()
+    cfg = run.cfg
+    run.averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
+                                      float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+    return run.model, run.optimizer, scheduler, run.averager, _refresher(run)
+
+
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     """Assemble the union model on rank 0 and evaluate it there. Collective."""
     saved = dict(run.comm.bytes.by_group)
@@ -317,7 +367,8 @@ def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_pe
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
             "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank],
             "bytes_by_group": bytes_by_group(group_bytes or {}, max(run.step, 1)),
-            "params_sha256": tensor_digest(run.model)}
+            "params_sha256": tensor_digest(run.model),
+            "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,

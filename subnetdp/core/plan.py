@@ -154,6 +154,7 @@ class MaskPlan:
             d["spectral_gap"] = self.spectral_gap(partition)
             d["components"] = self.unit_graph_components()
             d["params_per_rank"] = self.params_per_rank(partition)
+            d["cost_per_rank"] = self.cost_per_rank(partition)
         d["digest"] = self.digest()
         return d
 
@@ -177,6 +178,10 @@ class MaskPlan:
         shared = partition.shared_numel()
         sizes = [partition.unit_numel(u) for u in partition.units]
         return [shared + sum(sizes[u] for u in self.owned[r]) for r in range(self.world_size)]
+
+    def cost_per_rank(self, partition: Partition) -> list[float]:
+        """Each rank's forward FLOPs per sample over the units it owns (the adapter's unit costs)."""
+        return [float(sum(partition.units[u].cost for u in self.owned[r])) for r in range(self.world_size)]
 
     def as_image(self) -> np.ndarray:
         """Ranks x units ownership matrix (1 = owned) as float32, for TensorBoard."""

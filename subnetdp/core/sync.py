@@ -1,14 +1,21 @@
 """Owner-group gradient averaging.
 
-Every parameter of a rank's subnetwork belongs to a unit (owned by ``plan.owners(u)``) or is shared
-(owned by the world). Gradients live in flat buckets, one set of buckets per owner set; each
-parameter's ``.grad`` is a view into its bucket (as DDP's ``gradient_as_bucket_view``), so the
-buckets cost no memory beyond the gradients themselves. A bucket is all-reduced over its owner group
-as soon as backward has produced all of its gradients (post-accumulate-grad hooks), so
-communication overlaps the rest of backward, then divided by the owner count.
+Every parameter piece of a rank's model belongs to a unit (owned by ``plan.owners(u)``) or is shared
+(owned by the world). The pieces are the :class:`~subnetdp.core.layout.Item` list, computed from the
+partition and the plan alone, so every owner of a piece packs it at the same bucket offset whatever
+its local layout.
 
-Which tensors go to which bucket is computed once, from global information (the partition and the
-plan), so every member of an owner set builds the same buckets in the same order.
+Grouped mode (default): one set of buckets per owner set, each all-reduced over its owner group and
+divided by the owner count. A parameter whose pieces all land side by side in one bucket (a whole
+tensor, or dim-0 slices in local order) gets its ``.grad`` as a view into the bucket, as DDP's
+``gradient_as_bucket_view``; the slices of a tensor that mixes owner sets are copied in when its
+gradient is ready and out after the reduction. Buckets launch from post-accumulate-grad hooks as soon
+as they are full, so communication overlaps the rest of backward.
+
+Dense mode (more distinct owner sets than ``sync.max_groups``): no sub-groups; the items are cut into
+chunks of at most ``sync.bucket_cap_mb`` in one global order, and each chunk is filled with this
+rank's owned gradients (zeros elsewhere), all-reduced over the world, and divided coordinate by
+coordinate by the owner counts. Never more than one chunk is allocated at a time.
 """
 
 from __future__ import annotations
@@ -22,30 +29,57 @@ import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
-from subnetdp.core.errors import ConfigError
+from subnetdp.core.layout import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 
 
-@dataclass
+@dataclass(eq=False)
+class Segment:
+    """Where one item sits in a bucket and in this rank's local parameter."""
+
+    item: Item
+    offset: int
+    local: str | None  # None: this rank does not hold the item (dense mode only)
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(eq=False)
 class Bucket:
-    """Gradients of several parameters that share one owner set, in one flat buffer."""
+    """Gradient pieces that share one owner set (a world chunk in dense mode), in one flat buffer."""
 
     owners: tuple[int, ...]
-    params: list[nn.Parameter]
-    names: list[str]
-    buffer: torch.Tensor
+    segments: list[Segment]
+    numel: int
+    buffer: torch.Tensor | None = None
     pending: int = 0
-    launched: bool = False
     handle: Handle | None = None
-    offsets: list[int] = field(default_factory=list)
+    contributors: set[str] = field(default_factory=set)
+    persistent: bool = False  # holds gradient views: lives across steps; else allocated per step
 
     @property
     def k(self) -> int:
         return len(self.owners)
 
 
+def _split(items: list[Item], cap_elems: int) -> list[list[Item]]:
+    out: list[list[Item]] = []
+    current: list[Item] = []
+    size = 0
+    for it in items:
+        if current and size + it.numel > cap_elems:
+            out.append(current)
+            current, size = [], 0
+        current.append(it)
+        size += it.numel
+    if current:
+        out.append(current)
+    return out
+
+
 class OwnerGroupAverager:
-    """Averages each gradient among exactly the ranks that own it.
+    """Averages each gradient piece among exactly the ranks that own it.
 
     Use per step::
 
@@ -55,99 +89,133 @@ class OwnerGroupAverager:
         norm = averager.clip_grad_norm_(max_norm)
 
     Args:
-        model: the materialised subnetwork (on its device).
+        model: the rank's model (on its device).
         pmap: its :class:`ParamMap` (local name -> global pieces).
         plan: the mask plan.
         partition: the full model's partition.
         comm: the communicator (already initialised).
-        bucket_cap_mb: largest bucket, in MiB.
-        max_groups: the most distinct owner sets that get their own process group.
+        bucket_cap_mb: largest bucket (dense mode: largest chunk), in MiB.
+        max_groups: the most distinct owner sets that get their own process group; above it, dense mode.
+        dense: force dense (True) or grouped (False) mode; None chooses by ``max_groups``.
     """
 
     def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
-                 comm: Communicator, bucket_cap_mb: float = 25.0, max_groups: int = 64) -> None:
+                 comm: Communicator, bucket_cap_mb: float = 25.0, max_groups: int = 64,
+                 dense: bool | None = None) -> None:
         self.comm = comm
         self.plan = plan
         self.rank = comm.rank
         self.world = tuple(range(comm.world_size))
         self._sync_enabled = True
-        params = dict(model.named_parameters())
-        for name, pieces in pmap.pieces.items():
-            if name in params and any(p.dim is not None for p in pieces):
-                raise NotImplementedError("sliced (neuron-level) parameters are not supported by this synchroniser yet")
-
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.index = LocalIndex(model, pmap)
         owner_sets = plan.owner_sets()
-        if len(owner_sets) > max_groups:
-            raise ConfigError("sync.max_groups", max_groups,
-                              f"the plan has {len(owner_sets)} distinct owner sets",
-                              f"set sync.max_groups={len(owner_sets)} or use the cyclic masker")
-        # collective: every rank creates every owner group, in the same (sorted) order, members or not.
-        for s in owner_sets:
-            if 1 < len(s) < comm.world_size:
-                comm.new_group(s)
+        self.dense = len(owner_sets) > max_groups if dense is None else bool(dense)
+        elem = next(iter(self.params.values())).element_size() if self.params else 4
+        cap = max(1, int(bucket_cap_mb * 1024 * 1024) // elem)
+        items = global_items(partition, plan)
+        if self.dense:
+            self.buckets = [self._bucket(self.world, chunk, own_only=False) for chunk in _split(items, cap)]
+        else:
+            # collective: every rank creates every owner group, in the same (sorted) order, members or not.
+            for s in owner_sets:
+                if 1 < len(s) < comm.world_size:
+                    comm.new_group(s)
+            by_set: dict[tuple[int, ...], list[Item]] = {}
+            for it in items:
+                if self.rank in it.owners:
+                    by_set.setdefault(it.owners, []).append(it)
+            self.buckets = [self._bucket(owners, chunk, own_only=True)
+                            for owners in sorted(by_set, key=lambda s: (s == self.world, s))
+                            for chunk in _split(by_set[owners], cap)]
+        self._bind()
 
-        # Global order of parameters: the full model's order. Buckets fill in reverse of it.
-        position = {name: i for i, name in enumerate(partition.shapes)}
-        entries: dict[tuple[int, ...], list[tuple[int, str, nn.Parameter]]] = {}
-        for name, p in params.items():
-            if not p.requires_grad:
-                continue
-            unit = pmap.unit_of.get(name)
-            owners = self.world if unit is None else plan.owners(unit)
-            gname = pmap.pieces[name][0].global_name
-            entries.setdefault(owners, []).append((position.get(gname, -1), name, p))
+    def _bucket(self, owners: tuple[int, ...], items: list[Item], own_only: bool) -> Bucket:
+        segments, off = [], 0
+        for it in items:
+            found = self.index.find(it) if self.rank in it.owners else None
+            if found is None and own_only:
+                raise RuntimeError(f"rank {self.rank} owns {it.name} but its model does not hold it")
+            if found is not None and found[0] not in self.params:
+                found = None  # frozen locally (not trained here)
+            local, dim, start, stop = found if found is not None else (None, None, 0, 0)
+            segments.append(Segment(it, off, local, dim, start, stop))
+            off += it.numel
+        return Bucket(owners, segments, off)
 
-        cap = max(1, int(bucket_cap_mb * 1024 * 1024))
-        self.buckets: list[Bucket] = []
-        # Owner sets in plan order (world last); within a set, reverse forward order.
-        for owners in sorted(entries, key=lambda s: (s == self.world, s)):
-            items = sorted(entries[owners], key=lambda e: -e[0])
-            current: list[tuple[int, str, nn.Parameter]] = []
-            size = 0
-            for item in items:
-                nbytes = item[2].numel() * item[2].element_size()
-                if current and size + nbytes > cap:
-                    self.buckets.append(self._make_bucket(owners, current))
-                    current, size = [], 0
-                current.append(item)
-                size += nbytes
-            if current:
-                self.buckets.append(self._make_bucket(owners, current))
-        self._bucket_of: dict[int, Bucket] = {}
+    def _bind(self) -> None:
+        """Decide, per parameter, between a gradient view into a bucket and copying slices."""
+        self._segments_of: dict[str, list[tuple[Bucket, Segment]]] = {}
         for b in self.buckets:
-            for p in b.params:
-                self._bucket_of[id(p)] = b
+            for s in b.segments:
+                if s.local is not None and (self.dense or b.k > 1):
+                    self._segments_of.setdefault(s.local, []).append((b, s))
+                    b.contributors.add(s.local)
+        self._view: dict[str, tuple[Bucket, int]] = {}
+        if not self.dense:
+            for name, segs in self._segments_of.items():
+                if self._viewable(self.params[name], segs):
+                    first = min(s.offset for _, s in segs)
+                    self._view[name] = (segs[0][0], first)
+                    segs[0][0].persistent = True
+            for b in self.buckets:
+                if b.persistent:
+                    b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
+        # A parameter whose pieces all go through buckets can drop its own gradient once copied in
+        # (it gets a fresh one at copy-out), so sliced tensors do not hold their gradient twice.
+        self._release = {n for n, segs in self._segments_of.items() if n not in self._view
+                         and sum(s.item.numel for _, s in segs) == self.params[n].numel()}
         # Each owner set launches its buckets in this fixed order: collectives within one group must
         # be issued in the same order on all its members.
         self._order: dict[tuple[int, ...], list[Bucket]] = {}
         for b in self.buckets:
-            self._order.setdefault(b.owners, []).append(b)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for b in self.buckets for p in b.params]
-        # Weight of each parameter in the global norm: each unit counted once over the world.
-        self._norm_weight = {id(p): 1.0 / b.k for b in self.buckets for p in b.params}
+            if self.dense or b.k > 1:
+                self._order.setdefault(b.owners, []).append(b)
+        self._hooks = [] if self.dense else [self.params[n].register_post_accumulate_grad_hook(self._on_grad_ready)
+                                             for n in self._segments_of]
+        self._name_of = {id(p): n for n, p in self.params.items()}
+        # Every trainable local piece with its owner count: each unit counted once in the norm.
+        self._norm_pieces: list[tuple[str, int | None, int, int, int]] = []
+        for b in self.buckets:
+            for s in b.segments:
+                if s.local is not None:
+                    self._norm_pieces.append((s.local, s.dim, s.start, s.stop, s.item.k))
 
-    def _make_bucket(self, owners: tuple[int, ...], items: list[tuple[int, str, nn.Parameter]]) -> Bucket:
-        params = [it[2] for it in items]
-        total = sum(p.numel() for p in params)
-        dtype = params[0].dtype
-        buffer = torch.zeros(total, dtype=dtype, device=params[0].device)
-        offsets, off = [], 0
-        for p in params:
-            offsets.append(off)
-            off += p.numel()
-        return Bucket(owners, params, [it[1] for it in items], buffer, offsets=offsets)
+    def _dtype(self) -> torch.dtype:
+        return next(iter(self.params.values())).dtype if self.params else torch.float32
+
+    def _device(self) -> torch.device:
+        return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+
+    @staticmethod
+    def _viewable(p: torch.Tensor, segs: list[tuple[Bucket, Segment]]) -> bool:
+        if len({id(b) for b, _ in segs}) != 1 or not p.is_contiguous():
+            return False
+        ordered = sorted((s for _, s in segs), key=lambda s: s.start)
+        if sum(s.item.numel for s in ordered) != p.numel():
+            return False
+        if any(a.offset + a.item.numel != c.offset for a, c in zip(ordered, ordered[1:])):
+            return False
+        if len(ordered) == 1:
+            return True  # covers the whole local tensor
+        return all(s.dim == 0 for s in ordered)
 
     # ------------------------------------------------------------------ per step
     def prepare(self) -> None:
-        """Zero the buckets and make every ``.grad`` a view into its bucket (replaces ``zero_grad``)."""
+        """Zero the buckets and point ``.grad`` of viewable parameters into them (replaces ``zero_grad``)."""
+        for name, p in self.params.items():
+            p.grad = None
         for b in self.buckets:
-            b.buffer.zero_()
-            b.pending = len(b.params)
-            b.launched = False
             b.handle = None
-            for p, off in zip(b.params, b.offsets):
-                p.grad = b.buffer[off:off + p.numel()].view_as(p)
+            b.pending = len(b.contributors)
+            if b.persistent:
+                b.buffer.zero_()
+            else:
+                b.buffer = None
+        for name, (b, off) in self._view.items():
+            p = self.params[name]
+            p.grad = b.buffer[off:off + p.numel()].view_as(p)
+        self._copied: set[str] = set()
         self._next = {owners: 0 for owners in self._order}
 
     @contextlib.contextmanager
@@ -160,47 +228,104 @@ class OwnerGroupAverager:
             self._sync_enabled = True
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._sync_enabled:
+        if self._sync_enabled:
+            self._contribute(self._name_of[id(p)])
+
+    def _contribute(self, name: str) -> None:
+        """Copy a parameter's slices into their buckets (unless a view) and launch full buckets."""
+        if name in self._copied:
             return
-        b = self._bucket_of[id(p)]
-        b.pending -= 1
-        if b.pending == 0:
-            self._launch_ready(b.owners)
+        self._copied.add(name)
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        touched = []
+        for b, s in self._segments_of.get(name, []):
+            if name not in self._view:
+                self._ensure_buffer(b)[s.offset:s.offset + s.item.numel].view(s.item.shape).copy_(
+                    self._local(p.grad, s))
+            if all(b is not t for t in touched):
+                touched.append(b)
+        if name in self._release:
+            p.grad = None
+        for b in touched:
+            b.pending -= 1
+            if b.pending == 0:
+                self._launch_ready(b.owners)
+
+    def _ensure_buffer(self, b: Bucket) -> torch.Tensor:
+        if b.buffer is None:
+            b.buffer = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
+        return b.buffer
+
+    @staticmethod
+    def _local(t: torch.Tensor, s: Segment) -> torch.Tensor:
+        return t if s.dim is None else t.narrow(s.dim, s.start, s.stop - s.start)
 
     def _launch_ready(self, owners: tuple[int, ...], force: bool = False) -> None:
         order = self._order[owners]
         i = self._next[owners]
         while i < len(order) and (force or order[i].pending <= 0):
-            self._launch(order[i])
+            # collective: every member of the owner set issues its buckets in the same order.
+            order[i].handle = self.comm.all_reduce(self._ensure_buffer(order[i]), order[i].owners, async_op=True)
             i += 1
         self._next[owners] = i
 
-    def _launch(self, b: Bucket) -> None:
-        b.launched = True
-        if b.k > 1:
-            # collective: every member of b.owners issues this bucket, in the same order.
-            b.handle = self.comm.all_reduce(b.buffer, b.owners, async_op=True)
-
     def finish(self) -> None:
-        """Launch what backward did not (parameters without gradient), wait, divide by owner counts."""
+        """Complete the step's averaging: launch what backward did not, wait, divide, copy out."""
+        if self.dense:
+            self._finish_dense()
+            return
+        for name in self._segments_of:
+            self._contribute(name)
         for owners in self._order:
             self._launch_ready(owners, force=True)
         for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()
-            if b.k > 1:
-                b.buffer.div_(b.k)
+            if b.k == 1:
+                continue
+            b.handle.wait()
+            b.handle = None  # the work object keeps the buffer alive: let per-step buckets go now
+            b.buffer.div_(b.k)
+            for s in b.segments:
+                if s.local is not None and s.local not in self._view:
+                    p = self.params[s.local]
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)  # released at copy-in; every piece is written here
+                    self._local(p.grad, s).copy_(b.buffer[s.offset:s.offset + s.item.numel].view(s.item.shape))
+            if not b.persistent:
+                b.buffer = None  # per-step buckets live from the first copy-in to the copy-out
+
+    def _finish_dense(self) -> None:
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for b in self.buckets:
+            chunk = torch.zeros(b.numel, dtype=self._dtype(), device=self._device())
+            for s in b.segments:
+                if s.local is not None:
+                    chunk[s.offset:s.offset + s.item.numel].view(s.item.shape).copy_(
+                        self._local(self.params[s.local].grad, s))
+            # collective: every rank issues every chunk, in the same global order.
+            self.comm.all_reduce(chunk, self.world).wait()
+            for s in b.segments:
+                if s.local is not None:
+                    piece = chunk[s.offset:s.offset + s.item.numel].view(s.item.shape)
+                    self._local(self.params[s.local].grad, s).copy_(piece / s.item.k)
+            del chunk
 
     # ------------------------------------------------------------------ clipping
     def grad_norm(self) -> float:
         """Norm of the averaged full-model gradient, each unit counted once.
 
-        Every owner of a unit holds the same averaged gradient, so each contributes ``|g_u|^2 / k``;
-        one world all-reduce then sums every unit exactly once. Collective: every rank calls it.
+        Every owner of a piece holds the same averaged gradient, so each contributes ``|g|^2 / k``;
+        one world all-reduce then sums every piece exactly once. Collective: every rank calls it.
         """
-        local = torch.zeros((), dtype=torch.float64, device=self.buckets[0].buffer.device if self.buckets else "cpu")
-        for b in self.buckets:
-            local += torch.linalg.vector_norm(b.buffer).double() ** 2 / b.k  # no copy of the bucket
+        local = torch.zeros((), dtype=torch.float64, device=self._device())
+        for name, dim, start, stop, k in self._norm_pieces:
+            g = self.params[name].grad
+            if g is not None:
+                g = g if dim is None else g.narrow(dim, start, stop - start)
+                local += torch.linalg.vector_norm(g).double() ** 2 / k  # no copy of the gradient
         # collective: every rank reaches this, once per step where the norm is needed.
         self.comm.all_reduce(local, self.world).wait()
         return math.sqrt(float(local))
@@ -211,9 +336,18 @@ class OwnerGroupAverager:
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))
             if coef < 1.0:
-                for b in self.buckets:
-                    b.buffer.mul_(coef)
+                for p in self.params.values():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
         return norm
+
+    def bytes_per_step(self) -> int:
+        """Payload this rank hands to gradient collectives per step."""
+        return sum(b.numel for b in self.buckets if self.dense or b.k > 1) * torch.empty((), dtype=self._dtype()).element_size()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The persistent bucket buffers (grouped mode), for memory accounting."""
+        return [b.buffer for b in self.buckets if b.buffer is not None]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

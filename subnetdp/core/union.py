@@ -8,18 +8,8 @@ import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, DataModule, DataSpec, ModelAdapter, ParamMap, Partition
+from subnetdp.core.layout import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
-
-
-def _local_tensors(model: nn.Module, pmap: ParamMap) -> dict[str, torch.Tensor]:
-    """Global name -> local tensor, for tensors held whole."""
-    local = dict(model.named_parameters())
-    local.update(dict(model.named_buffers()))
-    out = {}
-    for name, pieces in pmap.pieces.items():
-        if name in local and len(pieces) == 1 and pieces[0].dim is None:
-            out[pieces[0].global_name] = local[name]
-    return out
 
 
 @torch.no_grad()
@@ -27,53 +17,47 @@ def assemble_union(adapter: ModelAdapter, spec: DataSpec, seed: int, partition: 
                    model: nn.Module, pmap: ParamMap, comm: Communicator) -> nn.Module | None:
     """Rank 0 gets the full model: parameters from ``min(owners)``, float buffers averaged among owners.
 
-    Collective: every rank calls it. Returns the union model (on CPU) on rank 0, None elsewhere.
-    The ranks' own copies are untouched.
+    Works piece by piece (:func:`~subnetdp.core.layout.global_items`), so neuron-level slices held in
+    different local layouts land at their global coordinates. Collective: every rank calls it.
+    Returns the union model (on CPU) on rank 0, None elsewhere. The ranks' own copies are untouched.
     """
     rank = comm.rank
-    local = _local_tensors(model, pmap)
+    index = LocalIndex(model, pmap)
     device = next(model.parameters()).device
     union = None
     if rank == 0:
         torch.manual_seed(seed)
         union = adapter.build(spec)
-    target = {}
+    target: dict[str, torch.Tensor] = {}
     if union is not None:
         target = dict(union.named_parameters())
         target.update(dict(union.named_buffers()))
 
-    def fetch(name: str, owners: tuple[int, ...], average: bool) -> None:
-        shape = partition.shapes[name]
-        mine = local.get(name) if rank in owners else None
-        dtype = partition.dtypes[name]
+    def fetch(item: Item, average: bool) -> None:
+        owners = item.owners
+        dtype = partition.dtypes[item.name]
+        mine = index.view(item).detach() if rank in owners and index.holds(item) else None
         if average:
             # collective: every rank reaches this; non-owners contribute zeros.
-            buf = mine.detach().clone() if mine is not None else torch.zeros(shape, dtype=dtype, device=device)
+            buf = mine.clone() if mine is not None else torch.zeros(item.shape, dtype=dtype, device=device)
             comm.all_reduce(buf, comm.world).wait()
             buf /= len(owners)
+        elif rank == 0 and mine is not None:
+            buf = mine
         else:
-            if rank == 0 and mine is not None:
-                buf = mine.detach()
-            else:
-                src = owners[0]
-                buf = mine.detach().clone() if mine is not None else torch.empty(shape, dtype=dtype, device=device)
-                if src != 0:
-                    # collective: every rank reaches this for units rank 0 does not own.
-                    comm.broadcast(buf, src)
+            buf = mine.contiguous().clone() if mine is not None else torch.empty(item.shape, dtype=dtype, device=device)
+            if owners[0] != 0:
+                # collective: every rank reaches this for pieces rank 0 does not own.
+                comm.broadcast(buf, owners[0])
         if union is not None:
-            target[name].copy_(buf.to(target[name].dtype).cpu())
+            t = target[item.name]
+            dst = t if item.dim is None else t.narrow(item.dim, item.start, item.stop - item.start)
+            dst.copy_(buf.to(t.dtype).cpu())
 
-    world = comm.world
-    for unit in partition.units:
-        owners = plan.owners(unit.id)
-        for s in unit.slices:
-            fetch(s.name, owners, average=False)
-        for s in unit.buffers:
-            fetch(s.name, owners, average=partition.dtypes[s.name].is_floating_point)
-    for name in partition.shared:
-        fetch(name, world, average=False)
-    for name in partition.shared_buffers:
-        fetch(name, world, average=partition.dtypes[name].is_floating_point)
+    for item in global_items(partition, plan):
+        fetch(item, average=False)
+    for item in global_items(partition, plan, buffers=True):
+        fetch(item, average=partition.dtypes[item.name].is_floating_point)
     return union
 
 

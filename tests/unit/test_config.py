@@ -28,7 +28,7 @@ def test_layers_compose_in_order():
 
 
 @pytest.mark.parametrize("override,key,words", [
-    ("masker.name=cylic", "masker.name", ["unknown masker", "available: cyclic", "did you mean 'cyclic'"]),
+    ("masker.name=cylic", "masker.name", ["unknown masker", "available: balanced, cyclic, random", "did you mean 'cyclic'"]),
     ("model.name=resnt", "model.name", ["unknown model", "did you mean 'resnet'"]),
     ("masker.coverage=1.5", "masker.coverage", ["must be in (0.0, 1.0]", "0.5"]),
     ("masker.coverage=0", "masker.coverage", ["must be in (0.0, 1.0]"]),
@@ -62,7 +62,7 @@ def test_cli_prints_one_line_without_traceback(tmp_path):
                            f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert "masker.name='cylic': unknown masker; available: cyclic — did you mean 'cyclic'?" in proc.stderr
+    assert "masker.name='cylic': unknown masker; available: balanced, cyclic, random — did you mean 'cyclic'?" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing was started or written
     # An impossible plan fails in the launching process, before any worker starts.
     proc = subprocess.run([sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "launch.nproc=2",

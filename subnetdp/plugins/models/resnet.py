@@ -1,10 +1,16 @@
-"""Model ``resnet``: torchvision ResNet-18/34/50; units are the residual branches of the blocks.
+"""Model ``resnet``: torchvision ResNet-18/34/50, with block-level and neuron-level units.
 
-A block's shortcut (identity, or the 1x1 projection with its BatchNorm) is shared, so every block is
+Block level: units are the residual branches of the blocks. A block's shortcut (identity, or the 1x1 projection with its BatchNorm) is shared, so every block is
 maskable: a dropped block computes ``relu(shortcut(x))``, which is what the block computes when its
 residual branch is zero. Blocks with an identity shortcut vanish entirely (their input is already
 the output of a ReLU). Blocks are grouped per stage, so every subnetwork keeps the same number of
 blocks in every stage and ranks cost the same.
+
+Neuron level: units are ranges of a block's inner channels, cut into ``masker.units_per_layer``
+equal ranges (BasicBlock: ``conv1`` out = ``bn1`` = ``conv2`` in; Bottleneck: ``conv2`` out = ``bn2``
+= ``conv3`` in, ``conv1`` stays whole). One group per block, so every subnetwork has the same width
+in a block. A materialised block is physically narrower; with ``rescale`` its hidden activation is
+scaled by ``K/n`` in training (inverted-dropout style), so the union model is consistent at eval.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from subnetdp.core.contracts import (DataSpec, ModelAdapter, ModelConfig, ParamM
                                      TensorSlice, Unit)
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.models._resnet_neurons import STAGES, materialize_neurons, neuron_partition
 
 VARIANTS = ("resnet18", "resnet34", "resnet50")
-STAGES = ("layer1", "layer2", "layer3", "layer4")
 
 
 @dataclass
@@ -68,7 +74,7 @@ class ResNetAdapter(ModelAdapter):
     """torchvision ResNets with block-level units (residual branches)."""
 
     Config = ResNetConfig
-    granularities = ("block",)
+    granularities = ("block", "neuron")
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -90,9 +96,11 @@ class ResNetAdapter(ModelAdapter):
         """The plain torchvision model for :meth:`reference_options` (used by ``subnetdp export``)."""
         return build_reference(**options)
 
-    def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
+    def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
+        if granularity == "neuron":
+            return neuron_partition(model, spec, units_per_layer)
         if granularity != "block":
-            raise ConfigError("masker.granularity", granularity, "the resnet adapter supports: block")
+            raise ConfigError("masker.granularity", granularity, "the resnet adapter supports: block, neuron")
         costs = self._block_costs(model, spec)
         units: list[Unit] = []
         in_unit: set[str] = set()
@@ -130,7 +138,10 @@ class ResNetAdapter(ModelAdapter):
                 out[name] = float(counts.get(name, 0) - counts.get(f"{name}.downsample", 0))
         return out
 
-    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition) -> tuple[nn.Module, ParamMap]:
+    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
+                    rescale: bool = False) -> tuple[nn.Module, ParamMap]:
+        if partition.granularity == "neuron":
+            return materialize_neurons(model, owned, partition, rescale)
         keep = {partition.units[u].name for u in owned}
         for stage in STAGES:
             layer = getattr(model, stage)

@@ -1,0 +1,55 @@
+"""Config keys of the variants, and `subnetdp plan` without a dry run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from subnetdp import cli
+from subnetdp.core.errors import ConfigError
+from subnetdp.core.variants import rescale_enabled
+from tests.helpers import small_config
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("masker.regime=sideways", "masker.regime", ["valid choices: forward, backward"]),
+    ("masker.granularity=layer", "masker.granularity", ["valid choices: block, neuron"]),
+    ("masker.units_per_layer=0", "masker.units_per_layer", ["must be >= 1", "default is 8"]),
+    ("masker.refresh_every=0", "masker.refresh_every", ["must be >= 1"]),
+    ("masker.resample_every=-1", "masker.resample_every", ["must be >= 0", "0 keeps the plan fixed"]),
+    ("masker.name=balanc", "masker.name", ["did you mean 'balanced'"]),
+])
+def test_bad_variant_keys_name_the_key(override, key, words):
+    with pytest.raises(ConfigError) as e:
+        small_config(override)
+    assert e.value.key == key
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_rescale_defaults_by_granularity():
+    assert rescale_enabled(small_config("masker.granularity=neuron").masker) is True
+    assert rescale_enabled(small_config("masker.granularity=block").masker) is False
+    assert rescale_enabled(small_config("masker.granularity=neuron", "masker.rescale=false").masker) is False
+    cfg = small_config("masker.granularity=neuron", "masker.regime=backward", "masker.name=random")
+    assert cfg.masker.units_per_layer == 8 and cfg.masker.refresh_every == 1 and cfg.masker.resample_every == 0
+
+
+def test_plan_command_prints_table_json_and_png(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    args = ["plan", "resnet18_digits", "masker.name=balanced", "masker.coverage=0.5", "-n", "4", "--no-estimate"]
+    assert cli.main(args + ["--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "rank   3 " in text and "spectral gap" in text and "owner counts: min 2, max 2" in text
+    assert png.stat().st_size > 1000
+    assert cli.main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 4 and len(report["ranks"]) == 4
+    assert [len(u["owners"]) for u in report["units"]] == [2] * 8
+    costs = report["cost_per_rank"]
+    assert max(costs) - min(costs) <= max(u["cost"] for u in report["units"])
+    # Many owner sets beyond sync.max_groups switch the plan to dense synchronisation.
+    assert cli.main(["plan", "masker.name=random", "masker.granularity=neuron", "sync.max_groups=2",
+                     "-n", "4", "--no-estimate"]) == 0
+    assert "(dense sync, sync.max_groups=2)" in capsys.readouterr().out
