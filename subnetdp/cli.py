@@ -58,6 +58,16 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
 
+    recipe, overrides = _split_args(ns.args)
+    pm = PluginManager()
+    cfg = compose(recipe, overrides, pm.registries)
+    if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
+        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
+                          "use --launcher mpirun, or comm.name=gloo")
+    preflight(cfg, ns.nproc, pm)  # a bad config or plan fails here, before any worker starts
+    return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
+                      ns.launcher_args.split(), ns.dry_run)
+
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.core.config import compose
@@ -69,12 +79,6 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
-    if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
-        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
-                          "use --launcher mpirun, or comm.name=gloo")
-    preflight(cfg, ns.nproc, pm)  # a bad config or plan fails here, before any worker starts
-    return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
-                      ns.launcher_args.split(), ns.dry_run)
     world = int(ns.world_size or cfg.launch.nproc)
     if world < 1:
         raise SubnetdpError(f"--world-size={world}: must be at least 1")

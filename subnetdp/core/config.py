@@ -320,6 +320,10 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     _check_range(cfg, "checkpoint.every", 0, None, fix="0 saves only at the end")
     _check_range(cfg, "checkpoint.keep", 0, None, fix="0 keeps every checkpoint")
     resume = str(cfg.resume)
+    if resume != "never" and int(OmegaConf.select(cfg, "masker.resample_every", default=0) or 0) > 0:
+        raise ConfigError("resume", resume, f"runs whose plan is re-drawn (masker.resample_every="
+                          f"{cfg.masker.resample_every}) cannot be resumed in this release",
+                          "use resume=never, or masker.resample_every=0")
     if resume == "auto":
         if not cfg.run.name:
             raise ConfigError("resume", "auto", "needs a fixed run.name, so a restarted job finds its run directory",

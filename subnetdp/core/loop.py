@@ -226,7 +226,7 @@ def _train(run: Run, pm: PluginManager) -> None:
             for g, n in comm.bytes.by_group.items():
                 group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
             # collective: every rank learns whether any rank saw inf/NaN (train.on_nonfinite).
-            finite = ckpt.finite(step, step_loss, [b.buffer for b in averager.buckets])
+            finite = ckpt.finite(step, step_loss, [p.grad for p in model.parameters() if p.grad is not None])
             log_step = step % int(cfg.train.log_every) == 0 or step == steps
             clip = float(cfg.optim.clip_grad_norm)
             grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
@@ -239,6 +239,7 @@ def _train(run: Run, pm: PluginManager) -> None:
             if resampler is not None and resampler.due(step) and step < steps:
                 # collective: every rank re-draws the same plan and receives the pieces it gains.
                 model, optimizer, scheduler, averager, refresher = _redraw(run, resampler, step, steps)
+                ckpt.optimizer, ckpt.scheduler = optimizer, scheduler  # later checkpoints save the new state
         elapsed = time.perf_counter() - t0
         if measure:
             peak_cpu = tracker.peak  # the tracker slows this step down: keep it out of the timings
