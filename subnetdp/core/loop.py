@@ -348,7 +348,7 @@ def _write_start(run: Run, log: RunLogger) -> None:
         return
     yaml = config_mod.to_yaml(run.cfg)
     (run.run_dir / "config.yaml").write_text(yaml)
-    plan_dict = run.plan.to_dict(run.partition)
+    plan_dict = run.plan.to_dict(run.partition, str(run.cfg.masker.get("group_by", "auto")))
     write_json(run.run_dir / "plan.json", plan_dict)
     log.text("config", "```\n" + yaml + "\n```")
     names = [u.name for u in run.partition.units]

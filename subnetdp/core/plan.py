@@ -143,14 +143,14 @@ class MaskPlan:
         return msgs
 
     # ---------------------------------------------------------------- serialisation
-    def to_dict(self, partition: Partition | None = None) -> dict:
+    def to_dict(self, partition: Partition | None = None, group_by: str = "auto") -> dict:
         d: dict = {"world_size": self.world_size, "num_units": self.num_units, "owned": self.owned}
         if partition is not None:
             d["units"] = [{"id": u.id, "name": u.name, "group": u.group, "cost": u.cost,
                            "numel": partition.unit_numel(u), "owners": list(self.owners(u.id))}
                           for u in partition.units]
             d["shared_numel"] = partition.shared_numel()
-            d["effective_coverage"] = self.effective_coverage(partition)
+            d["effective_coverage"] = self.effective_coverage(partition, group_by)
             d["spectral_gap"] = self.spectral_gap(partition)
             d["components"] = self.unit_graph_components()
             d["params_per_rank"] = self.params_per_rank(partition)
