@@ -225,6 +225,11 @@ class LlamaAdapter(ModelAdapter):
         """Rebuild an exported model with ``Llama(LlamaArgs(**options))``."""
         return dict(self.args(spec).__dict__)
 
+    @staticmethod
+    def reference_model(options: dict[str, Any]) -> nn.Module:
+        """The plain model for :meth:`reference_options` (used by ``subnetdp export``)."""
+        return Llama(LlamaArgs(**options))
+
     def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
         if granularity != "block":
             raise ConfigError("masker.granularity", granularity, "the llama adapter supports: block")

@@ -136,6 +136,11 @@ class SwinAdapter(ModelAdapter):
     def reference_options(self, spec: DataSpec) -> dict[str, Any]:
         return {"num_classes": spec.num_classes, "in_channels": spec.in_channels or 3, **architecture(self.cfg)}
 
+    @staticmethod
+    def reference_model(options: dict[str, Any]) -> nn.Module:
+        """The plain torchvision model for :meth:`reference_options` (used by ``subnetdp export``)."""
+        return build_reference(**options)
+
     def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
         if granularity != "block":
             raise ConfigError("masker.granularity", granularity, "the swin adapter supports: block",
