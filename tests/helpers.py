@@ -26,7 +26,8 @@ def plugin_manager() -> PluginManager:
 def small_config(*overrides: str, recipe: str | None = "resnet18_digits", run_dir: str | os.PathLike = "runs") -> Any:
     """The default recipe shrunk for tests: no progress bar, cheap evaluation, one thread."""
     base = ["train.progress=false", "launch.nproc=1", "launch.threads_per_rank=1", f"run.dir={run_dir}",
-            "eval.bn_recalibrate_batches=0", "train.log_every=1000", "optim.warmup_steps=0"]
+            "eval.bn_recalibrate_batches=0", "train.log_every=1000", "optim.warmup_steps=0",
+            "checkpoint.enabled=false"]  # tests that need checkpoints turn them back on
     return compose(recipe, base + list(overrides), plugin_manager().registries)
 
 
