@@ -140,10 +140,13 @@ class Refresher:
     def refresh(self) -> int:
         """One refresh; returns the bytes this rank handed to broadcasts."""
         sent = 0
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 or not self.chunks:
             return sent
+        # One buffer for every chunk: a communication library may release a finished collective's
+        # tensor a little late, so a fresh buffer per chunk could briefly hold two chunks at once.
+        whole = torch.empty(max(numel for _, _, numel in self.chunks), dtype=self.dtype, device=self.device)
         for src, items, numel in self.chunks:
-            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            buf = whole[:numel]
             if self.comm.rank == src:
                 off = 0
                 for it in items:
@@ -158,5 +161,6 @@ class Refresher:
                 for it in items:
                     self.index.view(it).copy_(buf[off:off + it.numel].view(it.shape))
                     off += it.numel
-            del buf  # one chunk at a time
+            del buf
+        del whole
         return sent
