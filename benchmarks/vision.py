@@ -6,7 +6,8 @@
    full model's step (with ``gradient_as_bucket_view=True`` DDP's buckets are the gradients, and
    SDP's synchroniser does the same, so neither adds tensors beyond what is measured; NCCL's or
    gloo's own buffers are not seen). B-SDP is the largest rank's subnetwork of a 4-rank cyclic plan.
-   N-SDP (neuron level) needs the neuron-level masking core and is not measured here.
+   N-SDP (neuron level, ``masker.units_per_layer=8``) is the largest rank's physically narrower
+   subnetwork of the same kind of plan (Swin: MLP hidden ranges; ResNet: inner channels of blocks).
 2. Accuracy. scikit-learn's digits resized to 32x32 (``data.image_size=32``), 2 gloo ranks, one
    thread each: torch DDP for S steps, B-SDP at C = 0.5 for S steps (same steps) and for S / C
    steps (FLOP-matched: each B-SDP step runs about C of DDP's FLOPs). The union model is evaluated
@@ -101,9 +102,11 @@ def memory_table(batch: int, pm: PluginManager, world: int = 4) -> list[dict]:
         adapter = pm.get("model", cfg.model.name)(cfg.model)
         torch.manual_seed(0)
         full = adapter.build(spec)
-        partition = adapter.partition(full, "block", spec)
+        partitions = {"block": adapter.partition(full, "block", spec),
+                      "neuron": adapter.partition(full, "neuron", spec, units_per_layer=8)}
         base = None
-        for method, coverage in (("DDP", 1.0), ("B-SDP", 0.75), ("B-SDP", 0.5)):
+        for method, coverage in (("DDP", 1.0), ("B-SDP", 0.75), ("B-SDP", 0.5), ("N-SDP", 0.75), ("N-SDP", 0.5)):
+            partition = partitions["neuron" if method == "N-SDP" else "block"]
             cfg.masker.coverage = coverage
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the effective coverage is shown in the table
@@ -240,13 +243,12 @@ def main() -> None:
     mem = [] if args.skip_memory else memory_table(args.memory_batch_size, pm)
     if mem:
         print(f"\nPer-rank peak tensor memory of one training step, 32x32, batch {args.memory_batch_size} per worker "
-              "(FakeTensorMode + dispatch tracker; B-SDP: largest rank of 4)")
-        print(f"{'model':<28} {'method':<6} {'C':>5} {'blocks held':>11} {'params held':>12} {'state MiB':>10} "
+              "(FakeTensorMode + dispatch tracker; SDP: largest rank of 4)")
+        print(f"{'model':<28} {'method':<6} {'C':>5} {'units held':>11} {'params held':>12} {'state MiB':>10} "
               f"{'peak MiB':>9} {'vs DDP':>7}")
         for r in mem:
             print(f"{r['model']:<28} {r['method']:<6} {r['coverage']:>5.2f} {r['units_held']:>11.0%} {r['params_held']:>12,} "
                   f"{r['state_mib']:>10.1f} {r['peak_mib']:>9.1f} {r['peak_vs_ddp']:>7.2f}")
-    print("N-SDP (neuron level): not measured; it needs the neuron-level masking core (issue 3).")
     acc: list[dict] = []
     if not args.skip_accuracy:
         steps = dict(zip(ACCURACY_MODELS, (args.swin_steps, args.resnet_steps)))

@@ -115,5 +115,4 @@ def test_input_channels_from_spec_and_config_errors():
         compose(None, ["model.name=swin", "model.depths=[2,2]"], registries)
     with pytest.raises(ConfigError, match=r"model.num_heads.*not divisible"):
         compose(None, ["model.name=swin", "model.variant=cifar", "model.num_heads=[5,6,12,24]"], registries)
-    with pytest.raises(ConfigError, match=r"masker.granularity='neuron'"):
-        compose(None, ["model.name=swin", "masker.granularity=neuron"], registries)
+    assert compose(None, ["model.name=swin", "masker.granularity=neuron"], registries).masker.granularity == "neuron"

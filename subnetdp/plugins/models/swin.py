@@ -15,6 +15,10 @@ Variants ``t``, ``s``, ``b`` are torchvision's ``swin_t``/``swin_s``/``swin_b``;
 configuration for 32x32 images (patch 2, window 4, embedding 48, depths 2-2-2-2). Every
 architecture key (``patch_size``, ``window_size``, ``embed_dim``, ``depths``, ``num_heads``,
 ``stochastic_depth_prob``) overrides the variant's value when set.
+
+Neuron level (``masker.granularity=neuron``): units are ``masker.units_per_layer`` equal ranges of
+each block's MLP hidden dimension, one group ``features.s.b.mlp`` per block; a subnetwork's MLPs are
+physically narrower (see :mod:`subnetdp.plugins.models._swin_neurons`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from subnetdp.core.contracts import (DataSpec, ModelAdapter, ModelConfig, ParamM
                                      TensorSlice, Unit)
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.models._swin_neurons import materialize_neurons, neuron_partition
 
 # torchvision's swin_t / swin_s / swin_b, plus a small configuration for 32x32 inputs.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -102,10 +107,10 @@ def stage_indices(model: SwinTransformer) -> list[int]:
 
 
 class SwinAdapter(ModelAdapter):
-    """torchvision Swin Transformers with block-level units (one group per stage)."""
+    """torchvision Swin Transformers: block-level units (one group per stage) or MLP hidden ranges."""
 
     Config = SwinConfig
-    granularities = ("block",)
+    granularities = ("block", "neuron")
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -141,10 +146,11 @@ class SwinAdapter(ModelAdapter):
         """The plain torchvision model for :meth:`reference_options` (used by ``subnetdp export``)."""
         return build_reference(**options)
 
-    def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
+    def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
+        if granularity == "neuron":
+            return neuron_partition(model, spec, units_per_layer)
         if granularity != "block":
-            raise ConfigError("masker.granularity", granularity, "the swin adapter supports: block",
-                              "neuron-level units (MLP hidden ranges) need the neuron-level masking core")
+            raise ConfigError("masker.granularity", granularity, "the swin adapter supports: block, neuron")
         costs = self._block_costs(model, spec)
         units: list[Unit] = []
         in_unit: set[str] = set()
@@ -176,7 +182,10 @@ class SwinAdapter(ModelAdapter):
         return {f"features.{si}.{bi}": float(counts.get(f"features.{si}.{bi}", 0))
                 for si in stage_indices(model) for bi in range(len(model.features[si]))}
 
-    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition) -> tuple[nn.Module, ParamMap]:
+    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
+                    rescale: bool = False) -> tuple[nn.Module, ParamMap]:
+        if partition.granularity == "neuron":
+            return materialize_neurons(model, owned, partition, rescale)
         keep = {partition.units[u].name for u in owned}
         for si in stage_indices(model):
             # The original block objects under their original indices: shift and drop-path stay theirs.
