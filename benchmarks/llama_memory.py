@@ -1,16 +1,14 @@
-"""Per-rank peak memory of one LLaMA training step: DDP vs block-level SDP, at 134M, 500M and 1B.
+"""Per-rank peak memory of one LLaMA training step: DDP vs block- and neuron-level SDP, at 134M, 500M and 1B.
 
 For every variant, at the micro-batch and sequence length of its recipe
 (``configs/recipes/llama_*_fineweb.yaml``) and the recipe's 8 workers, this builds rank 0's model —
 the full model for DDP (coverage 1), the materialised subnetwork of the cyclic plan for B-SDP at
-coverage 0.69 and 0.5 — and measures a steady-state training step (forward, backward, AdamW step;
+coverage 0.69 and 0.5 and for N-SDP at 0.5 (8 SwiGLU hidden ranges per layer, narrowed MLPs) — and measures a steady-state training step (forward, backward, AdamW step;
 gradients persist between steps, as DDP's ``gradient_as_bucket_view`` and subnetdp's buckets keep
 them) with subnetdp's dispatch-level ``TensorMemoryTracker`` under ``FakeTensorMode``: every tensor
 torch would allocate is counted, nothing is allocated, so 1B models measure on a laptop CPU.
 Peak = parameters + gradients + AdamW state + the step's transient tensors (activations, logits).
 Not counted: the CUDA caching allocator's fragmentation, NCCL's buffers, the CUDA context.
-
-N-SDP (neuron level) is not measured: it needs the sliced-tensor synchroniser of the masking issue.
 
 Run: ``.venv/bin/python benchmarks/llama_memory.py`` (about a minute). Writes
 ``benchmarks/results/llama_memory.json`` and prints a table.
@@ -37,11 +35,11 @@ from subnetdp.core.plugins import PluginManager
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30
 VARIANTS = ("134m", "500m", "1b")
-COVERAGES = (1.0, 0.69, 0.5)
-REPORTED = {("1b", 0.69): -0.28, ("500m", 0.5): -0.40}  # the method's reported peak-memory change vs DDP
+COVERAGES = ((1.0, "block"), (0.69, "block"), (0.5, "block"), (0.5, "neuron"))
+REPORTED = {("1b", 0.69, "B-SDP"): -0.28, ("500m", 0.5, "B-SDP"): -0.40}  # the method's reported peak-memory change vs DDP
 
 
-def measure(variant: str, coverage: float, pm: PluginManager) -> dict:
+def measure(variant: str, coverage: float, pm: PluginManager, granularity: str = "block") -> dict:
     """Rank 0's peak tensor memory for one steady-state step of the recipe of ``variant``."""
     cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={coverage}"], pm.registries)
     world, batch, seq = int(cfg.launch.nproc), int(cfg.train.batch_size), int(cfg.data.seq_len)
@@ -50,9 +48,14 @@ def measure(variant: str, coverage: float, pm: PluginManager) -> dict:
     masker = pm.get("masker", cfg.masker.name)(cfg.masker)
     with FakeTensorMode(allow_non_fake_inputs=True):
         full = adapter.build(spec)
-        partition = adapter.partition(full, "block", spec)
-        plan = make_plan(masker, partition, world, int(cfg.seed), 1)
-        model, _ = adapter.materialize(full, plan.owned[0], partition)
+        if granularity == "neuron":
+            partition = adapter.partition(full, "neuron", spec, units_per_layer=8)
+            plan = make_plan(masker, partition, world, int(cfg.seed), 1)
+            model, _ = adapter.materialize(full, plan.owned[0], partition, rescale=True)
+        else:
+            partition = adapter.partition(full, "block", spec)
+            plan = make_plan(masker, partition, world, int(cfg.seed), 1)
+            model, _ = adapter.materialize(full, plan.owned[0], partition)
         del full
         optimizer = build_optimizer(cfg.optim, model.parameters())
         tokens = torch.zeros(batch, seq, dtype=torch.int64)
@@ -71,7 +74,7 @@ def measure(variant: str, coverage: float, pm: PluginManager) -> dict:
             step()
         seconds = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
-    return {"variant": variant, "mode": "DDP" if coverage == 1 else "B-SDP", "coverage": coverage,
+    return {"variant": variant, "mode": "DDP" if coverage == 1 else ("N-SDP" if granularity == "neuron" else "B-SDP"), "coverage": coverage,
             "blocks_held": len(plan.owned[0]), "blocks": plan.num_units, "workers": world,
             "micro_batch": batch, "seq_len": seq, "params_held": params,
             "full_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units),
@@ -84,18 +87,18 @@ def main() -> int:
     rows = []
     for variant in VARIANTS:
         ddp = None
-        for c in COVERAGES:
-            r = measure(variant, c, pm)
+        for c, granularity in COVERAGES:
+            r = measure(variant, c, pm, granularity)
             ddp = ddp or r
             r["ratio_to_ddp"] = r["peak_bytes"] / ddp["peak_bytes"]
-            r["reported_change"] = REPORTED.get((variant, c))
+            r["reported_change"] = REPORTED.get((variant, c, r["mode"]))
             rows.append(r)
-    head = (f"{'variant':>7} {'mode':>5} {'C':>5} {'blocks':>6} {'batch x seq':>11} {'params held':>13} "
+    head = (f"{'variant':>7} {'mode':>5} {'C':>5} {'units':>7} {'batch x seq':>11} {'params held':>13} "
             f"{'state GiB':>9} {'transient':>9} {'peak GiB':>8} {'vs DDP':>7} {'reported':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rep = f"{r['reported_change']:+.0%}" if r["reported_change"] is not None else ""
-        lines.append(f"{r['variant']:>7} {r['mode']:>5} {r['coverage']:>5g} {r['blocks_held']:>3}/{r['blocks']:<2} "
+        lines.append(f"{r['variant']:>7} {r['mode']:>5} {r['coverage']:>5g} {r['blocks_held']:>3}/{r['blocks']:<3} "
                      f"{r['micro_batch']:>4} x {r['seq_len']:<4} {r['params_held']:>13,} {r['state_bytes'] / GiB:>9.2f} "
                      f"{r['transient_bytes'] / GiB:>9.2f} {r['peak_bytes'] / GiB:>8.2f} {r['ratio_to_ddp'] - 1:>+7.1%} {rep:>8}")
     table = "\n".join(lines)

@@ -98,3 +98,39 @@ def test_llama_owners_bit_identical_and_coverage_1_matches_ddp(tmp_path):
                                        msg=lambda m: f"rank {r} {name}: {m}")
     for name, ref in results[0]["c1"].items():
         assert torch.equal(results[1]["c1"][name], ref), name
+
+
+def _neuron_worker(rank: int, world: int, init_method: str, cache: str) -> dict:
+    """N-SDP at C = 0.5 (4 hidden ranges per layer): every piece's owners and their values."""
+    from subnetdp.core.layout import LocalIndex, global_items
+
+    env = LaunchEnv(rank, world, rank, world, "test")
+    run = train(_config(init_method + "-n", cache, "masker.granularity=neuron", "masker.coverage=0.5",
+                        "masker.units_per_layer=4", "run.name=nsdp"), env, plugin_manager())
+    index = LocalIndex(run.model, run.pmap)
+    items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
+    return {"owners": {(it.name, it.dim, it.start, it.stop): it.owners for it in items},
+            "params": {(it.name, it.dim, it.start, it.stop): index.view(it).detach().clone() for it in items},
+            "held": sum(p.numel() for p in run.model.parameters()), "full": run.summary["full_model_params"],
+            "loss": run.eval_metrics.get("loss")}  # rank 0 evaluates
+
+
+def test_llama_neuron_level_owners_hold_bit_identical_pieces(tmp_path):
+    cache = tmp_path / "data"
+    TokensData(TokensConfig(root="stdlib", cache_dir=str(cache), stdlib_max_mb=0.5), seed=0).check()
+    results = run_ranks(_neuron_worker, 2, tmp_path, str(cache), timeout=300)
+    shared_pieces = 0
+    for key, holders in results[0]["owners"].items():
+        if len(holders) == 2:
+            assert results[1]["owners"][key] == holders
+            assert torch.equal(results[0]["params"][key], results[1]["params"][key]), key
+            shared_pieces += 1
+    sliced = [k for k in set(results[0]["owners"]) | set(results[1]["owners"]) if k[1] is not None]
+    assert sliced and all("feed_forward" in k[0] for k in sliced)
+    assert shared_pieces >= len([k for k in results[0]["owners"] if k[1] is None])  # attention, norms, embeddings
+    for r in range(2):  # a piece with one owner is held by that rank only
+        for key, holders in results[r]["owners"].items():
+            if len(holders) == 1:
+                assert holders == (r,) and key not in results[1 - r]["params"], key
+    assert all(r["held"] < r["full"] for r in results)  # each rank holds narrower MLPs
+    assert 0 < results[0]["loss"] < 6  # the union model was evaluated

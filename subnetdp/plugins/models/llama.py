@@ -21,11 +21,11 @@ tiny     64     4       4      2         176     no    4,280,896 *
 
 (*) at vocabulary 32,000; with the byte tokenizer (257 tokens) ``tiny`` holds 217,792.
 
-Neuron level (not declared yet; it needs the sliced-tensor synchroniser): each block's SwiGLU hidden
-dimension would be cut into ``units_per_layer`` ranges ``[a, b)``, one unit each, one group per
-layer (``layers.i.feed_forward``), with slices
-``TensorSlice("layers.i.feed_forward.w1.weight", 0, a, b)`` and ``...w3.weight", 0, a, b)`` (rows of
-gate and up) and ``TensorSlice("layers.i.feed_forward.w2.weight", 1, a, b)`` (columns of down).
+Neuron level (``masker.granularity=neuron``): each block's SwiGLU hidden dimension is cut into
+``masker.units_per_layer`` equal ranges ``[a, b)``, one unit each, one group per layer
+(``layers.i.feed_forward``), with slices ``TensorSlice("layers.i.feed_forward.w1.weight", 0, a, b)``
+and ``...w3.weight", 0, a, b)`` (rows of gate and up) and ``...w2.weight", 1, a, b)`` (columns of
+down); everything else is shared. See :mod:`subnetdp.plugins.models._llama_neurons`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition, TensorSlice, Unit
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.models._llama_neurons import materialize_neurons, neuron_partition
 
 DEFAULT_VOCAB = 32_000
 
@@ -192,10 +193,11 @@ class LlamaConfig(ModelConfig):
 
 
 class LlamaAdapter(ModelAdapter):
-    """LLaMA with block-level units: every transformer block is one unit, all in one group."""
+    """LLaMA with block-level units (every transformer block, one group) or neuron-level units
+    (ranges of each block's SwiGLU hidden dimension, one group per block)."""
 
     Config = LlamaConfig
-    granularities = ("block",)
+    granularities = ("block", "neuron")
     data_kind = "tokens"
 
     @classmethod
@@ -230,9 +232,11 @@ class LlamaAdapter(ModelAdapter):
         """The plain model for :meth:`reference_options` (used by ``subnetdp export``)."""
         return Llama(LlamaArgs(**options))
 
-    def partition(self, model: nn.Module, granularity: str, spec: DataSpec) -> Partition:
+    def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
+        if granularity == "neuron":
+            return neuron_partition(model, spec, units_per_layer)
         if granularity != "block":
-            raise ConfigError("masker.granularity", granularity, "the llama adapter supports: block")
+            raise ConfigError("masker.granularity", granularity, "the llama adapter supports: block, neuron")
         cost = self._block_cost(model, spec)
         units, in_unit = [], set()
         for key, block in model.layers.items():
@@ -261,7 +265,10 @@ class LlamaAdapter(ModelAdapter):
             block(x, cos, sin)
         return float(counter.get_total_flops())
 
-    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition) -> tuple[nn.Module, ParamMap]:
+    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
+                    rescale: bool = False) -> tuple[nn.Module, ParamMap]:
+        if partition.granularity == "neuron":
+            return materialize_neurons(model, owned, partition, rescale)
         keep = {partition.units[u].name for u in owned}
         for key in list(model.layers.keys()):
             if f"layers.{key}" not in keep:
