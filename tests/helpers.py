@@ -76,3 +76,35 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
             assert res["ok"], f"rank {r} failed:\n{res['traceback']}"
             results.append(res["result"])
     return results
+
+
+def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str, steps: int) -> dict[str, torch.Tensor]:
+    """Plain torch DDP on the same initial weights, batches, optimizer and schedule as ``cfg``'s run.
+
+    The anchor the C = 1 tests compare against; it makes its own gloo group (``init_method + "-ddp"``).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from subnetdp.core.optim import build_optimizer, build_schedule
+
+    pm = plugin_manager()
+    data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
+    adapter = pm.get("model", cfg.model.name)(cfg.model)
+    torch.manual_seed(int(cfg.seed))
+    model = adapter.build(data.spec())
+    dist.init_process_group("gloo", init_method=init_method + "-ddp", rank=rank, world_size=world_size)
+    try:
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        opt = build_optimizer(cfg.optim, ddp.parameters())
+        sched = build_schedule(cfg.optim, opt, steps)
+        batches = iter(data.train_loader(rank, world_size, int(cfg.train.batch_size)))
+        for _ in range(steps):
+            opt.zero_grad()
+            batch = next(batches)
+            adapter.loss(ddp(adapter.inputs(batch)), batch).backward()
+            opt.step()
+            sched.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()

@@ -3,39 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.loop import train
-from subnetdp.core.optim import build_optimizer, build_schedule
-from tests.helpers import plugin_manager, run_ranks, small_config
+from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
 
 STEPS = 5
 
 
-def _ddp_params(cfg, rank: int, world: int, init_method: str) -> dict[str, torch.Tensor]:
-    """Plain torch DDP on the same initial weights, batches, optimizer and schedule."""
-    pm = plugin_manager()
-    data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
-    adapter = pm.get("model", cfg.model.name)(cfg.model)
-    torch.manual_seed(int(cfg.seed))
-    model = adapter.build(data.spec())
-    dist.init_process_group("gloo", init_method=init_method + "-ddp", rank=rank, world_size=world)
-    try:
-        ddp = DDP(model, gradient_as_bucket_view=True)
-        opt = build_optimizer(cfg.optim, ddp.parameters())
-        sched = build_schedule(cfg.optim, opt, STEPS)
-        batches = iter(data.train_loader(rank, world, int(cfg.train.batch_size)))
-        for _ in range(STEPS):
-            opt.zero_grad()
-            x, y = next(batches)
-            adapter.loss(ddp(x), (x, y)).backward()
-            opt.step()
-            sched.step()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-    finally:
-        dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, init_method: str, optim: list[str]) -> dict:
@@ -44,7 +19,7 @@ def _worker(rank: int, world: int, init_method: str, optim: list[str]) -> dict:
                        run_dir=init_method.removeprefix("file://") + "-runs")
     run = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
     sdp = {run.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in run.model.named_parameters()}
-    return {"sdp": sdp, "ddp": _ddp_params(cfg, rank, world, init_method), "bytes": run.summary["ranks"][rank]}
+    return {"sdp": sdp, "ddp": ddp_reference_params(cfg, rank, world, init_method, STEPS), "bytes": run.summary["ranks"][rank]}
 
 
 def _check(results: list[dict]) -> None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.loop import train
-from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
-from tests.helpers import plugin_manager, run_ranks, small_config
+from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
 
 STEPS = 4
 
@@ -31,28 +28,6 @@ def _state(run) -> dict:
             "unit_of": dict(run.pmap.unit_of), "eval": run.eval_metrics, "summary": run.summary}
 
 
-def _ddp_params(cfg, rank: int, world: int, init_method: str) -> dict[str, torch.Tensor]:
-    """Plain torch DDP on the same initial weights, batches, optimizer and schedule."""
-    pm = plugin_manager()
-    data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
-    adapter = pm.get("model", cfg.model.name)(cfg.model)
-    torch.manual_seed(int(cfg.seed))
-    model = adapter.build(data.spec())
-    dist.init_process_group("gloo", init_method=init_method + "-ddp", rank=rank, world_size=world)
-    try:
-        ddp = DDP(model, gradient_as_bucket_view=True)
-        opt = build_optimizer(cfg.optim, ddp.parameters())
-        sched = build_schedule(cfg.optim, opt, STEPS)
-        batches = iter(data.train_loader(rank, world, int(cfg.train.batch_size)))
-        for _ in range(STEPS):
-            opt.zero_grad()
-            batch = next(batches)
-            adapter.loss(ddp(adapter.inputs(batch)), batch).backward()
-            opt.step()
-            sched.step()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-    finally:
-        dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, init_method: str, cache: str) -> dict:
@@ -61,7 +36,7 @@ def _worker(rank: int, world: int, init_method: str, cache: str) -> dict:
     sdp = _state(train(_config(init_method, cache, "masker.coverage=0.75", "run.name=sdp"), env, plugin_manager()))
     cfg = _config(init_method + "-c1", cache, "masker.coverage=1", "run.name=c1")
     full = _state(train(cfg, env, plugin_manager()))
-    return {"sdp": sdp, "c1": full["params"], "ddp": _ddp_params(cfg, rank, world, init_method)}
+    return {"sdp": sdp, "c1": full["params"], "ddp": ddp_reference_params(cfg, rank, world, init_method, STEPS)}
 
 
 def test_llama_owners_bit_identical_and_coverage_1_matches_ddp(tmp_path):
