@@ -46,7 +46,10 @@ class TrainConfig:
     steps: int = 100
     batch_size: int = 32
     grad_accum: int = 1
-    precision: str = "fp32"
+    precision: str = "fp32"  # fp32 | bf16 (autocast; FSDP2's MixedPrecisionPolicy when sharded)
+    activation_checkpointing: int = 0  # k: recompute every k-th materialised block; 0 = off
+    compile: bool = False  # torch.compile each materialised block
+    compile_backend: str = "inductor"
     device: str = "auto"
     log_every: int = 10
     memory_step: int = 2
@@ -85,6 +88,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """``fsdp.*``: FSDP2 sharding inside each replica (docs/fsdp.md)."""
+
+    shard_size: int = 1  # S ranks hold one subnetwork and shard it; 1 = no FSDP
+    reshard_after_forward: bool = True  # ZeRO-3; false keeps the gathered block until backward (ZeRO-2)
+
+
+@dataclass
 class RunConfig:
     """The non-plugin sections. Plugin groups (``model``, ``masker``, ``comm``, ``data``) are
     mounted from the selected plugin's ``Config`` at composition time."""
@@ -97,6 +108,7 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunDirConfig = field(default_factory=RunDirConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     resume: str = "never"  # never | auto | PATH of a checkpoint
 
 
@@ -105,7 +117,8 @@ CHOICES = {
     "masker.regime": ("forward", "backward"),
     "optim.name": ("sgd", "adamw", "adam"),
     "optim.schedule": ("cosine", "constant"),
-    "train.precision": ("fp32",),
+    "train.precision": ("fp32", "bf16"),
+    "train.compile_backend": ("inductor", "aot_eager", "eager"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.on_nonfinite": ("stop", "skip"),
 }
@@ -306,7 +319,9 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "sync.max_groups", 1, None)
     _check_range(cfg, "launch.nproc", 1, None)
     _check_range(cfg, "launch.threads_per_rank", 0, None)
+    _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
+    _check_fsdp(cfg)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
@@ -331,6 +346,36 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     elif resume != "never" and not Path(resume).exists():
         raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+def _check_fsdp(cfg: DictConfig) -> None:
+    """``fsdp.shard_size > 1`` composes with forward, block-level masking over torch.distributed only."""
+    _check_range(cfg, "fsdp.shard_size", 1, None, fix="1 turns FSDP off")
+    size = int(cfg.fsdp.shard_size)
+    if size == 1:
+        return
+    needs = (("masker.granularity", "block", "FSDP shards whole blocks; neuron-level units would cut its shards"),
+             ("masker.regime", "forward", "backward masking broadcasts whole units, which FSDP holds in shards"),
+             ("masker.resample_every", 0, "a re-drawn plan would have to re-shard the blocks"))
+    for key, want, why in needs:
+        value = OmegaConf.select(cfg, key, default=want)
+        if value != want:
+            raise ConfigError(key, value, f"fsdp.shard_size={size} needs {key}={want}: {why}",
+                              f"set {key}={want}, or fsdp.shard_size=1")
+    if cfg.comm.name not in ("gloo", "nccl"):
+        raise ConfigError("comm.name", cfg.comm.name, f"fsdp.shard_size={size} needs torch.distributed process "
+                          "groups (FSDP2 all-gathers and reduce-scatters through them)",
+                          "use comm.name=gloo (CPU) or comm.name=nccl (GPU)")
+
+
+def check_world(cfg: DictConfig, world_size: int) -> int:
+    """The number of replicas R = W / S, or a ConfigError when ``fsdp.shard_size`` does not divide W."""
+    size = int(cfg.fsdp.shard_size)
+    if world_size % size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError("fsdp.shard_size", size, f"must divide the world size {world_size} "
+                          f"(world = replicas x shard_size)", f"use one of {divisors}, or change the number of ranks")
+    return world_size // size
 
 
 def _check_masker_counts(cfg: DictConfig) -> None:

@@ -44,6 +44,7 @@ class Run:
     run_dir: Path
     optimizer: torch.optim.Optimizer | None = None
     averager: OwnerGroupAverager | None = None
+    parallel: Any = None  # subnetdp.parallel.apply.Parallelism
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -68,12 +69,14 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
     spec = data.spec()
     adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
     masker: Masker = regs["masker"].create(cfg.masker.name, cfg.masker)
+    replicas = config_mod.check_world(cfg, world_size)  # fsdp.shard_size must divide the world
     # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
     torch.manual_seed(int(cfg.seed))
     full = adapter.build(spec)
     partition = partition_model(adapter, full, cfg.masker, spec)
-    plan = make_plan(masker, partition, world_size, int(cfg.seed), int(cfg.masker.min_owners))
-    return data, spec, adapter, full, partition, plan
+    # With FSDP the plan is made over the replicas; the S ranks of a replica own the same units.
+    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners))
+    return data, spec, adapter, full, partition, plan.replicated(int(cfg.fsdp.shard_size))
 
 
 def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
@@ -89,6 +92,13 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
         raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
                           "use comm.name=nccl for GPUs")
     data, spec, adapter, full, partition, plan = _build_plan(cfg, env.world_size, pm)
+    if cfg.train.compile:
+        from subnetdp.parallel.compile import compile_problem
+
+        problem = compile_problem(comm.device, str(cfg.train.compile_backend))
+        if problem:
+            raise ConfigError("train.compile", True, problem, "install what is missing, set "
+                              "train.compile_backend=aot_eager, or train.compile=false")
 
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
@@ -96,7 +106,12 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
     del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
-    return Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+    run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+    from subnetdp.parallel.apply import parallelize
+
+    # collective when sharded: FSDP's device mesh is created on every rank.
+    run.parallel = parallelize(run)  # activation checkpointing, compile, FSDP: from outside the model
+    return run
 
 
 def check_ranks_agree(comm: Communicator, plan: MaskPlan, cfg: DictConfig, pm: PluginManager) -> None:
@@ -184,8 +199,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     rank, device, steps = run.rank, comm.device, int(cfg.train.steps)
     run.optimizer = optimizer = build_optimizer(cfg.optim, model.parameters())
     scheduler = build_schedule(cfg.optim, optimizer, steps)
-    run.averager = averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, comm,
-                                                 float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+    run.averager = averager = run.parallel.averager()  # collective: owner groups are created here
     refresher = _refresher(run)
     resampler = _resampler(run)
     log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
@@ -204,12 +218,13 @@ def _train(run: Run, pm: PluginManager) -> None:
     peak_cpu = 0
     model.train()
     for step in range(first, steps + 1):
-        measure = device.type == "cpu" and step == min(max(int(cfg.train.memory_step), first), steps)
+        probe = step == min(max(int(cfg.train.memory_step), first), steps)  # the step that is measured
+        measure = device.type == "cpu" and probe
         tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer,
                                                                                averager.state_tensors())))
                    if measure else contextlib.nullcontext())
         t0 = time.perf_counter()
-        with tracker:
+        with tracker, run.parallel.counting(probe):  # FSDP's all-gathers and reduce-scatters, when sharded
             averager.prepare()
             before, before_wire = comm.bytes.total(), comm.bytes.ring_estimate()
             before_groups = dict(comm.bytes.by_group)
@@ -217,7 +232,8 @@ def _train(run: Run, pm: PluginManager) -> None:
             for micro in range(accum):
                 batch = _to_device(next(batches), device)
                 with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                    loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+                    with run.parallel.autocast():
+                        loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
                     loss.backward()
                 step_loss += loss.detach()
             averager.finish()  # collective: owner groups average this step's gradients
@@ -226,7 +242,8 @@ def _train(run: Run, pm: PluginManager) -> None:
             for g, n in comm.bytes.by_group.items():
                 group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
             # collective: every rank learns whether any rank saw inf/NaN (train.on_nonfinite).
-            finite = ckpt.finite(step, step_loss, [p.grad for p in model.parameters() if p.grad is not None])
+            finite = ckpt.finite(step, step_loss, [run.parallel.local(p.grad) for p in model.parameters()
+                                                   if p.grad is not None])
             log_step = step % int(cfg.train.log_every) == 0 or step == steps
             clip = float(cfg.optim.clip_grad_norm)
             grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
@@ -241,8 +258,8 @@ def _train(run: Run, pm: PluginManager) -> None:
                 model, optimizer, scheduler, averager, refresher = _redraw(run, resampler, step, steps)
                 ckpt.optimizer, ckpt.scheduler = optimizer, scheduler  # later checkpoints save the new state
         elapsed = time.perf_counter() - t0
-        if measure:
-            peak_cpu = tracker.peak  # the tracker slows this step down: keep it out of the timings
+        if measure or (probe and run.parallel.sharded):
+            peak_cpu = tracker.peak if measure else 0  # measuring slows this step down: keep it out of the timings
         else:
             step_times.append(elapsed)
         loss_sum += float(step_loss)
@@ -265,8 +282,9 @@ def _train(run: Run, pm: PluginManager) -> None:
                 record["train/tokens_per_s"] = record["train/samples_per_s"] * run.spec.seq_len
             log.scalars(step, {k: v for k, v in record.items() if k != "step"})
             log.jsonl(record)
-            log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / (step - first + 1),
-                               "rank/wire_bytes_per_step": wire / (step - first + 1),
+            par = run.parallel  # FSDP's own all-gathers and reduce-scatters count too
+            log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / (step - first + 1) + par.fsdp_bytes,
+                               "rank/wire_bytes_per_step": wire / (step - first + 1) + par.fsdp_wire,
                                "rank/peak_memory_bytes": peak_cpu or _peak_memory(device)}, per_rank=True)
             log.scalars(step, {f"rank/bytes_by_group/{group_label(g)}": n / (step - first + 1) for g, n in group_bytes.items()},
                         per_rank=True)
@@ -282,7 +300,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     if bar is not None:
         bar.close()
     done = max(1, steps - first + 1)
-    run.summary = _summarise(run, step_times, sync_bytes / done, wire / done,
+    par = run.parallel  # FSDP's own traffic, measured on one step, is added to every step's
+    run.summary = _summarise(run, step_times, sync_bytes / done + par.fsdp_bytes, wire / done + par.fsdp_wire,
                              peak_cpu or _peak_memory(device), group_bytes)
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
@@ -331,8 +350,9 @@ def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple:
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     """Assemble the union model on rank 0 and evaluate it there. Collective."""
     saved = dict(run.comm.bytes.by_group)
-    union = assemble_union(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
-                           run.model, run.pmap, run.comm)
+    with run.parallel.gathered():  # collective when sharded: full parameters for the assembly
+        union = assemble_union(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
+                               run.model, run.pmap, run.comm)
     run.comm.bytes.by_group = saved  # evaluation traffic is not a training step's
     if union is None:
         return {}
@@ -361,14 +381,19 @@ def _write_start(run: Run, log: RunLogger) -> None:
 
 def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_per_step: float,
                peak: int, group_bytes: dict[tuple[int, ...], int] | None = None) -> dict[str, Any]:
-    params_held = sum(p.numel() for p in run.model.parameters())
+    from subnetdp.parallel.apply import local_numel
+
+    params_held = local_numel(run.model)  # with FSDP: this rank's shards
+    with run.parallel.gathered():  # collective when sharded
+        digest = tensor_digest(run.model)
     warm = step_times[1:] or step_times  # the first step pays one-off set-up costs
     mine = {"rank": run.rank, "params_held": params_held, "peak_memory_bytes": peak,
             "memory_measured_by": "cuda allocator" if run.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
             "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank],
             "bytes_by_group": bytes_by_group(group_bytes or {}, max(run.step, 1)),
-            "params_sha256": tensor_digest(run.model),
+            "params_sha256": digest, **run.parallel.describe(),
+            "fsdp_bytes_per_step": dict(run.parallel.fsdp_by_kind),
             "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)

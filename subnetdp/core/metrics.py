@@ -72,14 +72,17 @@ def live_state_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                            extra: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
-    """Parameters, buffers, gradients and optimizer state: what lives across steps."""
+    """Parameters, buffers, gradients and optimizer state: what lives across steps.
+
+    Sharded tensors (FSDP2's DTensors) count with this rank's shard.
+    """
     out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
     out += [p.grad for p in model.parameters() if p.grad is not None]
     if optimizer is not None:
         for state in optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
     out += list(extra)
-    return out
+    return [t.to_local() if hasattr(t, "to_local") else t for t in out]
 
 
 class RunLogger:

@@ -56,6 +56,22 @@ class MaskPlan:
         sets = sorted({o for o in self._owners if o and o != world})
         return sets + [world]
 
+    def replicated(self, shard_size: int) -> "MaskPlan":
+        """The plan over ``world_size * shard_size`` ranks in which rank ``r * S + s`` owns ``owned[r]``.
+
+        With FSDP (``fsdp.shard_size = S``) plans are made over the R replicas; the S ranks of a
+        replica hold the same subnetwork in shards. The replicated plan is what checkpoints, the
+        union model and the run directory see.
+        """
+        if shard_size == 1:
+            return self
+        return MaskPlan(self.world_size * shard_size, [self.owned[r // shard_size]
+                                                       for r in range(self.world_size * shard_size)], self.num_units)
+
+    def replicas(self, shard_size: int) -> "MaskPlan":
+        """Inverse of :meth:`replicated`: the plan over the replicas (rank ``r * S`` of each)."""
+        return MaskPlan(self.world_size // shard_size, self.owned[::shard_size], self.num_units)
+
     def owner_counts(self) -> list[int]:
         return [len(o) for o in self._owners]
 

@@ -111,7 +111,9 @@ class Checkpointer:
                 ck.remove_checkpoint(tmp)
             tmp.mkdir(parents=True)
         comm.barrier()  # collective: the temporary directory exists before anyone writes into it
-        files = self._write_rank_files(tmp, step)
+        with run.parallel.gathered():  # collective when sharded: each rank writes its replica's full tensors
+            tensors, slices = self._tensors()
+        files = self._write_rank_files(tmp, step, tensors, slices)
         # collective: every rank's files are on disk (fsynced) before the manifest names them.
         everyone = comm.all_gather_object(files)
         if self.rank == 0:
@@ -122,7 +124,8 @@ class Checkpointer:
             spec = run.spec
             reference = getattr(run.adapter, "reference_options", None)
             manifest = {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": comm.world_size,
-                        "plan_digest": run.plan.digest(), "config_digest": config_mod.digest(self.cfg),
+                        "plan_digest": run.plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
+                        "config_digest": config_mod.digest(self.cfg),
                         "model": OmegaConf.to_container(self.cfg.model, resolve=True),
                         "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
                         "reference": reference(spec) if reference else None,
@@ -133,17 +136,17 @@ class Checkpointer:
         self.last_saved = final
         return final
 
-    def _write_rank_files(self, tmp: Path, step: int) -> dict[str, Any]:
+    def _write_rank_files(self, tmp: Path, step: int, tensors: dict[str, torch.Tensor],
+                          slices: dict[str, list]) -> dict[str, Any]:
         from safetensors.torch import save_file
 
-        tensors, slices = self._tensors()
         meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step), "rank": str(self.rank),
                 "world_size": str(self.comm.world_size), "plan_digest": self.run.plan.digest(),
                 "slices": json_dumps(slices)}
         st_name, state_name = ck.rank_files(self.rank)
         out = {st_name: ck.write_atomic(tmp / st_name, lambda p: save_file(tensors, str(p), metadata=meta))}
         state = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
-                 "optimizer": self.optimizer.state_dict(), "param_names": self._param_names(),
+                 "optimizer": self.run.parallel.optimizer_state_out(self.optimizer.state_dict()), "param_names": self._param_names(),
                  "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state()}
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(state, str(p)),
                                           fault=(step, self.rank))
@@ -197,7 +200,8 @@ class Checkpointer:
         st_name, state_name = ck.rank_files(self.rank)
         tensors, slices = ck.read_tensors(ck.verify_file(path, st_name, manifest), manifest, self.rank)
         state = ck.read_state(ck.verify_file(path, state_name, manifest))
-        with torch.no_grad():
+        # collective when sharded: full tensors in, cut back into this rank's shards on exit.
+        with torch.no_grad(), run.parallel.gathered(writeback=True):
             for name, t in self._local().items():
                 for p in run.pmap.pieces[name]:
                     key = _piece_key(p)
@@ -213,6 +217,7 @@ class Checkpointer:
                                   "the checkpoint is from a different model or plan")
         try:
             self.optimizer.load_state_dict(state["optimizer"])
+            self.run.parallel.optimizer_state_in(self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
             self.loader.load_state_dict(state["loader"])
             set_rng_state(state["rng"])
@@ -227,6 +232,11 @@ class Checkpointer:
             raise CheckpointError(f"{where}: written by {manifest['world_size']} rank(s), this run has {world}: "
                                   f"resume with {manifest['world_size']} ranks or start a new run (resuming on "
                                   "a different world size is refused, not re-planned)")
+        shard = int(self.cfg.fsdp.shard_size)
+        if int(manifest.get("fsdp_shard_size", 1)) != shard:
+            raise CheckpointError(f"{where}: written with fsdp.shard_size={manifest.get('fsdp_shard_size', 1)}, this "
+                                  f"run has fsdp.shard_size={shard}: its optimizer state is sharded that way; "
+                                  f"resume with fsdp.shard_size={manifest.get('fsdp_shard_size', 1)} or start a new run")
         model = OmegaConf.to_container(self.cfg.model, resolve=True)
         if manifest["model"] != model:
             raise CheckpointError(f"{where}: written for model {manifest['model']}, this run trains {model}: "

@@ -1,0 +1,120 @@
+"""What the loop asks of the parallelisms: :func:`parallelize` and the :class:`Parallelism` it returns."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.parallel.checkpointing import apply_ac
+from subnetdp.parallel.compile import apply_compile
+
+
+class Parallelism:
+    """Activation checkpointing, compile, precision and (optionally) FSDP of one rank's model.
+
+    Without FSDP every method is the plain path: the loop never branches on "sharded or not".
+    """
+
+    def __init__(self, run: Any) -> None:
+        cfg = run.cfg
+        self.run = run
+        self.shard_size = int(cfg.fsdp.shard_size)
+        self.precision = str(cfg.train.precision)
+        blocks = run.adapter.blocks(run.model)
+        self.checkpointed = apply_ac(blocks, int(cfg.train.activation_checkpointing))
+        self.compiled = apply_compile(blocks, str(cfg.train.compile_backend), run.comm.device) if cfg.train.compile else 0
+        self.mesh = None
+        # FSDP's all-gather and reduce-scatter bytes of one step, measured by :meth:`counting`.
+        self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = 0, 0.0, {}
+        if self.shard_size > 1:
+            from subnetdp.parallel import fsdp
+
+            self.mesh = fsdp.replica_mesh(run.comm, self.shard_size)
+            fsdp.apply_fsdp(run.model, blocks, self.mesh["shard"], fsdp.mixed_precision(self.precision),
+                            bool(cfg.fsdp.reshard_after_forward))
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_size > 1
+
+    def averager(self) -> Any:
+        """The gradient synchroniser for this rank's (possibly sharded) model. Collective (creates groups)."""
+        run, cfg = self.run, self.run.cfg
+        if self.sharded:
+            from subnetdp.parallel.fsdp import ShardedOwnerAverager
+
+            return ShardedOwnerAverager(run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition,
+                                        run.comm, self.shard_size, float(cfg.sync.bucket_cap_mb))
+        return OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
+                                  float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+
+    def autocast(self) -> Any:
+        """bf16 autocast around forward and loss; FSDP's mixed-precision policy casts when sharded."""
+        if self.precision == "bf16" and not self.sharded:
+            return torch.autocast(self.run.comm.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = False) -> Iterator[None]:
+        """The model with full (unsharded) parameters inside the block. Collective when sharded."""
+        if not self.sharded:
+            yield
+            return
+        from subnetdp.parallel.fsdp import gathered
+
+        with gathered(self.run.model, writeback):
+            yield
+
+    @contextlib.contextmanager
+    def counting(self, active: bool) -> Iterator[None]:
+        """Measure FSDP's own collectives during this step (when ``active`` and sharded).
+
+        Every step moves the same bytes, so one step is measured (the loop uses the step on which
+        it measures memory: counting every dispatched op would slow each step down).
+        """
+        if not (self.sharded and active):
+            yield
+            return
+        from subnetdp.parallel.fsdp import CollectiveBytes
+
+        counter = CollectiveBytes()
+        with counter:
+            yield
+        self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = counter.payload, counter.wire, dict(counter.by_kind)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a parameter or gradient (the tensor itself without FSDP)."""
+        return t.to_local() if self.sharded and hasattr(t, "to_local") else t
+
+    def optimizer_state_out(self, state: dict) -> dict:
+        """An optimizer state dict a checkpoint can hold (shards as plain tensors)."""
+        if not self.sharded:
+            return state
+        from subnetdp.parallel.fsdp import state_to_local
+
+        return state_to_local(state)
+
+    def optimizer_state_in(self, optimizer: torch.optim.Optimizer) -> None:
+        """After loading a state saved by :meth:`optimizer_state_out`: shards become sharded tensors again."""
+        if self.sharded:
+            from subnetdp.parallel.fsdp import state_from_local
+
+            state_from_local(optimizer)
+
+    def describe(self) -> dict[str, Any]:
+        return {"fsdp_shard_size": self.shard_size, "precision": self.precision,
+                "activation_checkpointing": len(self.checkpointed), "compiled_blocks": self.compiled}
+
+
+def parallelize(run: Any) -> Parallelism:
+    """Apply checkpointing, compile and FSDP (in that order, as torchtitan does) to ``run.model``."""
+    return Parallelism(run)
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameter elements this rank stores (its shards when sharded)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())

@@ -1,0 +1,300 @@
+"""FSDP2 inside each replica, owner-group averaging across replicas (``fsdp.shard_size = S``).
+
+The world is an R x S grid: rank ``r * S + s`` is shard ``s`` of replica ``r``. The mask plan is made
+over the R replicas, so the S ranks of a replica hold the same subnetwork; each materialised block
+and the shared parts are wrapped with ``fully_shard`` over the replica's shard group, whose
+reduce-scatter averages the gradients of those S ranks. Shard ``s`` of every replica then holds the
+same slice of every parameter it owns, and :class:`ShardedOwnerAverager` averages unit ``u``'s
+slice over ``{(r, s) : r in owners(u)}``: the unit's gradient becomes the mean over the k * S ranks
+that train it, exactly as without FSDP.
+
+FSDP2 requires every rank of a shard group to run every sharded module (a rank that skipped a
+block's forward would hang the others' all-gather). Sharding only within a replica guarantees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
+from subnetdp.core.plan import MaskPlan
+
+
+def replica_mesh(comm: Communicator, shard_size: int) -> DeviceMesh:
+    """The 2-D ``("replica", "shard")`` mesh over the world. Collective: every rank calls it once."""
+    replicas = comm.world_size // shard_size
+    # collective: init_device_mesh creates the row (shard) and column (replica) groups on every rank.
+    return init_device_mesh(comm.device.type, (replicas, shard_size), mesh_dim_names=("replica", "shard"))
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
+    """bf16 compute with fp32 gradient reduction (sharded parameters stay fp32), or None for fp32."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def apply_fsdp(model: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh,
+               mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> int:
+    """``fully_shard`` each block, then the root (the shared parts), over the 1-D shard mesh.
+
+    Parameter names do not change, so the parameter map, checkpoints and the averager still apply.
+    Returns the number of FSDP units (blocks + root).
+    """
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    # The root's parameters are used last in backward and first in forward: keep them gathered
+    # between the two (as torchtitan does), which saves one all-gather per step.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return len(blocks) + 1
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of a sharded tensor (the tensor itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module, writeback: bool = False) -> Iterator[None]:
+    """Swap every sharded parameter for a plain full copy (fp32, gathered over the shard group).
+
+    Inside, the model looks unsharded to code that reads or writes tensors by name: the union
+    model's assembly, checkpoints, digests. With ``writeback`` the full values are cut back into
+    the shards on exit (resuming from a checkpoint). Collective over each shard group; the full
+    copies exist only inside the block.
+    """
+    swapped: list[tuple[nn.Module, str, DTensor]] = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if isinstance(p, DTensor):
+                # collective: every rank of the shard group gathers the same parameters in the same order.
+                full = p.full_tensor().detach()
+                module._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)
+                swapped.append((module, name, p))
+    try:
+        yield
+    finally:
+        for module, name, p in swapped:
+            if writeback:
+                with torch.no_grad():
+                    mine = distribute_tensor(module._parameters[name].detach(), p.device_mesh, p.placements,
+                                             src_data_rank=None)  # each rank cuts its own copy: no traffic
+                    p.to_local().copy_(mine.to_local())
+            module._parameters[name] = p
+
+
+def state_to_local(state: dict) -> dict:
+    """An optimizer ``state_dict`` with each sharded state tensor replaced by this rank's shard."""
+    return {**state, "state": {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}}
+
+
+def state_from_local(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of :func:`state_to_local` output: re-wrap shards like their parameters."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+                    optimizer.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements,
+                                                               shape=p.shape, stride=p.stride(), run_check=False)
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the payload of FSDP's all-gathers and reduce-scatters as they are dispatched.
+
+    Payload is what this rank hands to the collective (its shard for an all-gather, the full
+    gradient for a reduce-scatter); ``wire`` is the ring estimate of what it sends, ``(S-1)/S`` of
+    the gathered or scattered size. The owner-group all-reduces are counted by the communicator.
+    """
+
+    GATHER = ("_allgather_base_", "allgather_into_tensor_coalesced_")
+    SCATTER = ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload = 0
+        self.wire = 0.0
+        self.by_kind: dict[str, int] = {"all_gather": 0, "reduce_scatter": 0}
+
+    @staticmethod
+    def _nbytes(t: object) -> int:
+        items = t if isinstance(t, (list, tuple)) else [t]
+        return sum(x.numel() * x.element_size() for x in items if isinstance(x, torch.Tensor))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = func.overloadpacket.__name__ if func.namespace == "c10d" else ""
+        if name in self.GATHER or name in self.SCATTER:
+            out, inp = self._nbytes(args[0]), self._nbytes(args[1])
+            big, small = max(out, inp), min(out, inp)
+            kind = "all_gather" if name in self.GATHER else "reduce_scatter"
+            self.payload += inp
+            self.by_kind[kind] += inp
+            self.wire += big - small  # ring: (S-1) shards of size big / S
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(eq=False)
+class _Bucket:
+    group: tuple[int, ...]  # world ranks: shard s of every owner replica
+    names: list[str]
+    numel: int
+    handle: Handle | None = None
+    buffer: torch.Tensor | None = None
+    offsets: list[int] = field(default_factory=list)
+
+
+class ShardedOwnerAverager:
+    """Owner-group averaging of FSDP-sharded gradients across replicas.
+
+    Same per-step use as :class:`~subnetdp.core.sync.OwnerGroupAverager`. FSDP's reduce-scatter has
+    already averaged each gradient over the S ranks of the replica when backward returns; this
+    averages each local shard over the ranks holding the same shard of the same unit in the other
+    owner replicas. Buckets are packed after backward, per owner set, in the partition's order.
+
+    Args:
+        model: the rank's FSDP-wrapped model.
+        pmap: its parameter map (block level: every tensor is one whole global tensor).
+        replica_plan: the mask plan over the R replicas.
+        partition: the full model's partition.
+        comm: the communicator (its world is R x S ranks).
+        shard_size: S.
+        bucket_cap_mb: largest bucket, in MiB.
+    """
+
+    dense = False
+
+    def __init__(self, model: nn.Module, pmap: ParamMap, replica_plan: MaskPlan, partition: Partition,
+                 comm: Communicator, shard_size: int, bucket_cap_mb: float = 25.0) -> None:
+        self.model, self.comm, self.shard_size = model, comm, shard_size
+        self.replica, self.shard = divmod(comm.rank, shard_size)
+        self.world = tuple(range(comm.world_size))
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        unit_of = {s.name: u.id for u in partition.units for s in u.slices}
+        order = {n: i for i, n in enumerate([s.name for u in partition.units for s in u.slices] + list(partition.shared))}
+        everyone = tuple(range(replica_plan.world_size))
+
+        def to_world(replicas: tuple[int, ...], s: int) -> tuple[int, ...]:
+            return tuple(r * shard_size + s for r in replicas)
+
+        # collective: every rank creates every (owner set, shard index) group in the same order.
+        for owners in replica_plan.owner_sets() + ([everyone] if everyone not in replica_plan.owner_sets() else []):
+            for s in range(shard_size):
+                if len(owners) > 1:
+                    comm.new_group(to_world(owners, s))
+        self.k: dict[str, int] = {}
+        by_group: dict[tuple[int, ...], list[str]] = {}
+        for name in self.params:
+            (piece,) = pmap.pieces[name]
+            unit = unit_of.get(piece.global_name)
+            owners = everyone if unit is None else replica_plan.owners(unit)
+            self.k[name] = len(owners)
+            by_group.setdefault(to_world(owners, self.shard), []).append(name)
+        elem = next(iter(self.params.values())).element_size() if self.params else 4
+        cap = max(1, int(bucket_cap_mb * 2**20) // elem)
+        self.buckets: list[_Bucket] = []
+        for group in sorted(by_group, key=lambda g: (len(g) == len(everyone), g)):
+            if len(group) == 1:
+                continue  # one owner replica: FSDP's reduce-scatter was the whole average
+            names = sorted(by_group[group], key=lambda n: order[pmap.pieces[n][0].global_name])
+            current: list[str] = []
+            size = 0
+            for n in names + [None]:
+                numel = local(self.params[n]).numel() if n is not None else 0
+                if current and (n is None or size + numel > cap):
+                    self.buckets.append(_Bucket(group, current, size))
+                    current, size = [], 0
+                if n is not None:
+                    current.append(n)
+                    size += numel
+        self._sync = True
+
+    def prepare(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients without FSDP's reduce-scatter (all micro-batches but the last)."""
+        roots = fsdp_modules(self.model)
+        for m in roots:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in roots:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    def _grad(self, name: str) -> torch.Tensor:
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # an unused parameter still takes part in its owners' average
+        return local(p.grad)
+
+    def finish(self) -> None:
+        """Average each shard among its owner replicas: launch every bucket, then wait and copy back."""
+        for b in self.buckets:
+            grads = [self._grad(n) for n in b.names]
+            b.buffer = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+            # collective: every member of the group issues its buckets in the same (partition) order.
+            b.handle = self.comm.all_reduce(b.buffer, b.group, async_op=True)
+        for b in self.buckets:
+            b.handle.wait()
+            b.handle = None
+            b.buffer.div_(len(b.group))
+            off = 0
+            for n in b.names:
+                g = self._grad(n)
+                g.copy_(b.buffer[off:off + g.numel()].view_as(g))
+                off += g.numel()
+            b.buffer = None
+
+    def grad_norm(self) -> float:
+        """Norm of the averaged full-model gradient: each shard counted once over its owner replicas."""
+        total = torch.zeros((), dtype=torch.float64, device=self.comm.device)
+        for name, p in self.params.items():
+            if p.grad is not None:
+                total += torch.linalg.vector_norm(local(p.grad)).double() ** 2 / self.k[name]
+        # collective: every rank reaches this, once per step where the norm is needed.
+        self.comm.all_reduce(total, self.world).wait()
+        return math.sqrt(float(total))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            if coef < 1.0:
+                for p in self.params.values():
+                    if p.grad is not None:
+                        local(p.grad).mul_(coef)
+        return norm
+
+    def bytes_per_step(self) -> int:
+        elem = next(iter(self.params.values())).element_size() if self.params else 4
+        return sum(b.numel for b in self.buckets) * elem
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def remove_hooks(self) -> None:
+        pass
+
+    def owner_groups(self) -> list[tuple[int, ...]]:
+        return sorted({b.group for b in self.buckets})
