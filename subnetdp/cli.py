@@ -200,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra and hasattr(ns, "args") and not any(a.startswith("-") for a in extra):
+        ns.args = list(ns.args) + extra  # key=value overrides written after an option (plan ... -n 4 a=b)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.simplefilter("default", UserWarning)
     try:
         return int(ns.func(ns) or 0)

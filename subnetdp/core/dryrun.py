@@ -61,8 +61,8 @@ def _step(model: torch.nn.Module, adapter: ModelAdapter, batch: Any, averager: O
             loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
             loss.backward()
     averager.finish()
-    if clip > 0:
-        averager.clip_grad_norm_(clip)
+    # Gradient clipping (optim.clip_grad_norm) is left out: it scales gradients in place and its norm
+    # is a few scalars, so it adds no memory worth estimating, and it needs real values.
     optimizer.step()
     if refresher is not None:
         refresher.refresh()

@@ -25,6 +25,14 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
                    "masker": str(cfg.masker.name), "coverage": float(cfg.masker.coverage),
                    "owner_sets": len(plan.owner_sets()), "max_groups": int(cfg.sync.max_groups),
                    "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units)})
+    shard = int(cfg.fsdp.shard_size)
+    if shard > 1:
+        report["fsdp_shard_size"] = shard
+        if estimate:
+            # The dry run below models the unsharded synchroniser; FSDP's sharded step is not modelled.
+            report["estimate_skipped"] = (f"fsdp.shard_size={shard}: the dry run does not model FSDP's sharded step; "
+                                          "benchmarks/fsdp_memory.py measures it under FakeTensorMode")
+            estimate = False
     ranks = []
     cache: dict[tuple[int, ...], dict[str, Any]] = {}
     batch = next(iter(data.train_loader(0, world_size, int(cfg.train.batch_size)))) if estimate else None
@@ -79,6 +87,11 @@ def format_report(report: dict[str, Any]) -> str:
         if est:
             line += f"  {row['peak_memory_bytes'] / 2**20:>12.1f} MiB  {row['bytes_per_step'] / 2**20:>8.2f} MiB"
         lines.append(line)
+    if "fsdp_shard_size" in report:
+        lines.append(f"fsdp.shard_size={report['fsdp_shard_size']}: ranks r*S..r*S+S-1 form replica r and shard "
+                     "its subnetwork (each rank stores about 1/S of the params shown); the plan above is the replicas' plan, repeated for each shard")
+    if "estimate_skipped" in report:
+        lines.append("no memory estimate: " + report["estimate_skipped"])
     if est:
         lines.append("peak memory: tensors of one training step (dry run under FakeTensorMode); "
                      "communication libraries' own buffers are not included")

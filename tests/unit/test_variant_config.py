@@ -53,3 +53,15 @@ def test_plan_command_prints_table_json_and_png(tmp_path, capsys):
     assert cli.main(["plan", "masker.name=random", "masker.granularity=neuron", "sync.max_groups=2",
                      "-n", "4", "--no-estimate"]) == 0
     assert "(dense sync, sync.max_groups=2)" in capsys.readouterr().out
+
+
+def test_plan_command_with_clipping_and_fsdp(capsys):
+    # Options may follow overrides; the LLaMA recipe clips gradients, which the dry run must survive.
+    assert cli.main(["plan", "llama_tiny_stdlib", "-n", "2", "masker.coverage=0.5", "train.batch_size=2",
+                     "data.seq_len=32", "data.stdlib_max_mb=0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["coverage"] == 0.5 and all(r["peak_memory_bytes"] > 0 for r in report["ranks"])
+    # With FSDP the plan is the replicas' plan repeated per shard, and the estimate says why it is absent.
+    assert cli.main(["plan", "llama_tiny_stdlib", "fsdp.shard_size=2", "-n", "4", "data.stdlib_max_mb=0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "fsdp.shard_size=2: ranks r*S..r*S+S-1 form replica r" in text and "no memory estimate" in text
