@@ -22,7 +22,7 @@ from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.resume import Checkpointer
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.core.sync import OwnerGroupAverager, clip_to
 from subnetdp.core.union import assemble_union, evaluate
 from subnetdp.core.variants import is_backward, local_model, partition_model
 
@@ -234,20 +234,22 @@ def _train(run: Run, pm: PluginManager) -> None:
                 with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                     with run.parallel.autocast():
                         loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+                    step_loss += loss.detach()
+                    if micro == accum - 1:  # the inf/NaN check of the loss travels with the gradients
+                        ckpt.carry_loss_check(averager, step_loss)
                     loss.backward()
-                step_loss += loss.detach()
             averager.finish()  # collective: owner groups average this step's gradients
             sync_bytes += comm.bytes.total() - before
             wire += comm.bytes.ring_estimate() - before_wire
             for g, n in comm.bytes.by_group.items():
                 group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
-            # collective: every rank learns whether any rank saw inf/NaN (train.on_nonfinite).
-            finite = ckpt.finite(step, step_loss, [run.parallel.local(p.grad) for p in model.parameters()
-                                                   if p.grad is not None])
             log_step = step % int(cfg.train.log_every) == 0 or step == steps
             clip = float(cfg.optim.clip_grad_norm)
-            grad_norm = averager.clip_grad_norm_(clip) if clip > 0 or log_step else None
+            # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite),
+            # in the gradient-norm all-reduce when clipping or logging needs the norm.
+            finite, grad_norm = ckpt.finite(step, step_loss, averager, need_norm=clip > 0 or log_step)
             if finite:
+                clip_to(averager, grad_norm, clip)
                 optimizer.step()
             scheduler.step()
             if refresher is not None and refresher.due(step):

@@ -5,8 +5,10 @@ The loop uses one :class:`Checkpointer`::
     ckpt = Checkpointer(run, optimizer, scheduler, loader)
     first = ckpt.start() + 1           # collective: resume (cfg.resume) or start fresh
     for step in range(first, steps + 1):
+        ckpt.carry_loss_check(averager, loss)   # before the last backward: rides with the gradients
         ...backward, averaging...
-        if ckpt.finite(step, loss):    # collective: stop or skip on inf/NaN (train.on_nonfinite)
+        ok, norm = ckpt.finite(step, loss, averager, need_norm)   # stop or skip on inf/NaN
+        if ok:
             optimizer.step()
         ckpt.after_step(step)          # collective on save steps (checkpoint.every, the last step)
 
@@ -246,29 +248,54 @@ class Checkpointer:
                                   f"{run.plan.digest()}: use the same masker.* settings and seed, or start a new run")
 
     # ------------------------------------------------------------------ non-finite guard
-    def finite(self, step: int, loss: torch.Tensor, grads: list[torch.Tensor]) -> bool:
-        """Whether every rank's loss and gradients are finite. Collective: every rank calls it.
+    def carry_loss_check(self, averager: Any, loss: torch.Tensor) -> None:
+        """Hand this rank's "loss is not finite" flag to the averager, to travel with the gradients.
 
-        With ``train.on_nonfinite=stop`` a non-finite step raises :class:`NonFiniteError` on every
-        rank (the last good checkpoint is untouched); with ``skip`` it returns False.
+        Call it before the last micro-batch's backward; no host synchronisation happens here.
         """
-        # The max-norm propagates inf and NaN without a full-size temporary (a plain isfinite would
-        # allocate a mask as large as the gradients on the memory-measured step).
-        peaks = [torch.linalg.vector_norm(g, float("inf")) for g in grads if g.numel()]
-        bad = not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(p)) for p in peaks)
         flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=loss.device)
-        flags[self.rank] = float(bad)
+        flags[self.rank] = (~torch.isfinite(loss)).any().float()
+        averager.carry(flags)
+
+    def finite(self, step: int, loss: torch.Tensor, averager: Any, need_norm: bool) -> tuple[bool, float | None]:
+        """Whether every rank's loss and averaged gradients are finite; and the gradient norm if asked.
+
+        Which ranks meet, and when: the loss flags came with the gradients (:meth:`carry_loss_check`);
+        at C = 1 every rank holds the same averaged gradient, so its own check is everyone's and no
+        collective is issued; otherwise the gradient flags travel in the gradient-norm all-reduce
+        when the norm is needed, or in one small all-reduce of their own. With
+        ``train.on_nonfinite=stop`` a non-finite step raises :class:`NonFiniteError` on every rank
+        (the last good checkpoint is untouched); with ``skip`` it returns False.
+        """
+        world = self.comm.world_size
+        grads = averager.local_grads()
+        flags = torch.zeros(world, dtype=torch.float64, device=loss.device)
+        if grads:
+            # Max-norms propagate inf and NaN without a gradient-sized temporary, and the whole check
+            # synchronises with the host once.
+            peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
+            flags[self.rank] = (~torch.isfinite(peaks)).any().double()
+        carried = averager.carried()
+        if carried is None:
+            flags[self.rank] += (~torch.isfinite(loss)).any().double()
+        fold = world > 1 and not (averager.replicated and carried is not None)  # flags need a collective
         saved = dict(self.comm.bytes.by_group)
-        self.comm.all_reduce(flags, self.comm.world).wait()  # collective: every rank learns who saw inf/NaN
+        norm = None
+        if need_norm:
+            norm = averager.grad_norm(flags if fold else None)  # collective unless C = 1
+        elif fold:
+            self.comm.all_reduce(flags, self.comm.world).wait()  # collective: who saw inf/NaN
         self.comm.bytes.by_group = saved  # a guard, not a training step's traffic
+        if carried is not None:
+            flags += carried.double()
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if not ranks:
-            return True
+            return True, norm
         where = f"step {step}, rank(s) {', '.join(map(str, ranks))}"
         if str(self.cfg.train.on_nonfinite) == "skip":
             if self.rank == 0:
                 print(f"warning: non-finite loss or gradients at {where}: step skipped", flush=True)
-            return False
+            return False, norm
         good = ck.latest_checkpoint(self.run.run_dir)
         raise NonFiniteError(f"non-finite loss or gradients at {where}; the last good checkpoint is "
                              f"{good or 'none (no checkpoint was written yet)'} — lower optim.lr, set "

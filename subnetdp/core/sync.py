@@ -128,6 +128,17 @@ class OwnerGroupAverager:
             self.buckets = [self._bucket(owners, chunk, own_only=True)
                             for owners in sorted(by_set, key=lambda s: (s == self.world, s))
                             for chunk in _split(by_set[owners], cap)]
+        # Every piece averaged over the world (C = 1): all ranks hold the same averaged gradient.
+        self.replicated = all(it.k == comm.world_size for it in items)
+        # The world's last bucket carries W extra slots: per-rank flags (non-finite loss) summed with
+        # the gradients, so the check needs no collective of its own.
+        self._carrier: Bucket | None = None
+        world_buckets = [b for b in self.buckets if b.owners == self.world and comm.world_size > 1]
+        if world_buckets:
+            self._carrier = world_buckets[-1]
+            self._carrier.numel += comm.world_size
+        self._flags: torch.Tensor | None = None
+        self._carried: torch.Tensor | None = None
         self._bind()
 
     def _bucket(self, owners: tuple[int, ...], items: list[Item], own_only: bool) -> Bucket:
@@ -215,6 +226,7 @@ class OwnerGroupAverager:
         for name, (b, off) in self._view.items():
             p = self.params[name]
             p.grad = b.buffer[off:off + p.numel()].view_as(p)
+        self._flags, self._carried = None, None
         self._copied: set[str] = set()
         self._next = {owners: 0 for owners in self._order}
 
@@ -226,6 +238,28 @@ class OwnerGroupAverager:
             yield
         finally:
             self._sync_enabled = True
+
+    def carry(self, flags: torch.Tensor) -> bool:
+        """Have ``flags`` (one value per rank) summed over the world with this step's gradients.
+
+        Call it before the last micro-batch's backward (the carrying bucket may launch during it).
+        Returns False when no bucket goes to the whole world (one rank, or no shared tensors): the
+        caller then needs a collective of its own.
+        """
+        if self._carrier is None:
+            return False
+        self._flags = flags.to(self._dtype())
+        if not self.dense:
+            self._ensure_buffer(self._carrier)[-self.comm.world_size:].copy_(self._flags)
+        return True
+
+    def carried(self) -> torch.Tensor | None:
+        """The world's sum of the flags given to :meth:`carry` this step (after :meth:`finish`)."""
+        return self._carried
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's (averaged, after :meth:`finish`) gradients."""
+        return [p.grad for p in self.params.values() if p.grad is not None]
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._sync_enabled:
@@ -285,6 +319,8 @@ class OwnerGroupAverager:
                 continue
             b.handle.wait()
             b.handle = None  # the work object keeps the buffer alive: let per-step buckets go now
+            if b is self._carrier and self._flags is not None:
+                self._carried = b.buffer[-self.comm.world_size:].clone()
             b.buffer.div_(b.k)
             for s in b.segments:
                 if s.local is not None and s.local not in self._view:
@@ -305,8 +341,12 @@ class OwnerGroupAverager:
                 if s.local is not None:
                     chunk[s.offset:s.offset + s.item.numel].view(s.item.shape).copy_(
                         self._local(self.params[s.local].grad, s))
+            if b is self._carrier and self._flags is not None:
+                chunk[-self.comm.world_size:].copy_(self._flags)
             # collective: every rank issues every chunk, in the same global order.
             self.comm.all_reduce(chunk, self.world).wait()
+            if b is self._carrier and self._flags is not None:
+                self._carried = chunk[-self.comm.world_size:].clone()
             for s in b.segments:
                 if s.local is not None:
                     piece = chunk[s.offset:s.offset + s.item.numel].view(s.item.shape)
@@ -314,31 +354,40 @@ class OwnerGroupAverager:
             del chunk
 
     # ------------------------------------------------------------------ clipping
-    def grad_norm(self) -> float:
+    def grad_norm(self, flags: torch.Tensor | None = None) -> float:
         """Norm of the averaged full-model gradient, each unit counted once.
 
         Every owner of a piece holds the same averaged gradient, so each contributes ``|g|^2 / k``;
-        one world all-reduce then sums every piece exactly once. Collective: every rank calls it.
+        one world all-reduce then sums every piece exactly once. With ``flags`` (a float64 tensor),
+        the same all-reduce sums them over the world in place. At C = 1 (:attr:`replicated`) every
+        rank holds the whole averaged gradient and no collective is needed. Collective otherwise:
+        every rank calls it.
         """
+        collective = not self.replicated or (flags is not None and self.comm.world_size > 1)
         local = torch.zeros((), dtype=torch.float64, device=self._device())
         for name, dim, start, stop, k in self._norm_pieces:
             g = self.params[name].grad
             if g is not None:
                 g = g if dim is None else g.narrow(dim, start, stop - start)
-                local += torch.linalg.vector_norm(g).double() ** 2 / k  # no copy of the gradient
+                local += torch.linalg.vector_norm(g).double() ** 2 / (k if collective else 1)
+        if not collective:
+            return math.sqrt(float(local))
+        both = torch.cat([local.view(1), flags.to(local)]) if flags is not None else local.view(1)
         # collective: every rank reaches this, once per step where the norm is needed.
-        self.comm.all_reduce(local, self.world).wait()
-        return math.sqrt(float(local))
+        self.comm.all_reduce(both, self.world).wait()
+        if flags is not None:
+            flags.copy_(both[1:])
+        return math.sqrt(float(both[0]))
+
+    def scale_grads_(self, coef: float) -> None:
+        for p in self.params.values():
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every gradient by the same factor so the global norm is at most ``max_norm``."""
         norm = self.grad_norm()
-        if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for p in self.params.values():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        clip_to(self, norm, max_norm)
         return norm
 
     def bytes_per_step(self) -> int:
@@ -356,3 +405,11 @@ class OwnerGroupAverager:
 
     def owner_groups(self) -> list[tuple[int, ...]]:
         return sorted({b.owners for b in self.buckets})
+
+
+def clip_to(averager: "OwnerGroupAverager", norm: float, max_norm: float) -> None:
+    """Scale every gradient by ``max_norm / norm`` when the norm is above ``max_norm`` (0: no clipping)."""
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            averager.scale_grads_(coef)

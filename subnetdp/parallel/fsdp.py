@@ -180,6 +180,7 @@ class ShardedOwnerAverager:
     """
 
     dense = False
+    replicated = False  # each rank holds a shard: the norm and checks always need the world
 
     def __init__(self, model: nn.Module, pmap: ParamMap, replica_plan: MaskPlan, partition: Partition,
                  comm: Communicator, shard_size: int, bucket_cap_mb: float = 25.0) -> None:
@@ -266,24 +267,41 @@ class ShardedOwnerAverager:
                 off += g.numel()
             b.buffer = None
 
-    def grad_norm(self) -> float:
-        """Norm of the averaged full-model gradient: each shard counted once over its owner replicas."""
+    def carry(self, flags: torch.Tensor) -> bool:
+        return False  # the check travels with the norm (see OwnerGroupAverager.carry)
+
+    def carried(self) -> torch.Tensor | None:
+        return None
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [local(p.grad) for p in self.params.values() if p.grad is not None]
+
+    def grad_norm(self, flags: torch.Tensor | None = None) -> float:
+        """Norm of the averaged full-model gradient: each shard counted once over its owner replicas.
+
+        With ``flags`` (float64), the same all-reduce sums them over the world in place.
+        """
         total = torch.zeros((), dtype=torch.float64, device=self.comm.device)
         for name, p in self.params.items():
             if p.grad is not None:
                 total += torch.linalg.vector_norm(local(p.grad)).double() ** 2 / self.k[name]
+        both = torch.cat([total.view(1), flags.to(total)]) if flags is not None else total.view(1)
         # collective: every rank reaches this, once per step where the norm is needed.
-        self.comm.all_reduce(total, self.world).wait()
-        return math.sqrt(float(total))
+        self.comm.all_reduce(both, self.world).wait()
+        if flags is not None:
+            flags.copy_(both[1:])
+        return math.sqrt(float(both[0]))
+
+    def scale_grads_(self, coef: float) -> None:
+        for p in self.params.values():
+            if p.grad is not None:
+                local(p.grad).mul_(coef)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
+        from subnetdp.core.sync import clip_to
+
         norm = self.grad_norm()
-        if max_norm > 0:
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for p in self.params.values():
-                    if p.grad is not None:
-                        local(p.grad).mul_(coef)
+        clip_to(self, norm, max_norm)
         return norm
 
     def bytes_per_step(self) -> int:
