@@ -28,7 +28,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 # label: (coverage, granularity)
-RUNS = {"DDP (C=1)": (1.0, "block"), "B-SDP (C=0.5)": (0.5, "block"), "N-SDP (C=0.5)": (0.5, "neuron")}
+RUNS = {"DDP (C=1)": (1.0, "block"), "B-SDP (C=0.5)": (0.5, "block"),
+        "N-SDP (C=0.5)": (0.5, "neuron")}
 
 
 def run(coverage: float, granularity: str, steps: int, eval_every: int, tmp: Path, workers: int) -> dict:

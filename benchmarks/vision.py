@@ -266,7 +266,8 @@ def accuracy_table(steps: dict[str, int], batch: int, coverage: float, run_dir: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--swin-steps", type=int, default=60, help="Swin: DDP's steps S (FLOP-matched SDP: S / C); 0 skips")
+    ap.add_argument("--swin-steps", type=int, default=60,
+                    help="Swin: DDP's steps S (FLOP-matched SDP: S / C); 0 skips")
     ap.add_argument("--resnet-steps", type=int, default=16, help="ResNet-18: DDP's steps S; 0 skips")
     ap.add_argument("--batch-size", type=int, default=16, help="per rank, accuracy runs")
     ap.add_argument("--memory-batch-size", type=int, default=64, help="per worker, memory step")
