@@ -10,8 +10,8 @@ model's validation loss and perplexity after the same number of steps, the param
 tensor memory per rank, bytes sent per step and step time, and draws the training and validation
 loss curves.
 
-Run: ``.venv/bin/python benchmarks/llama_tiny_stdlib.py [--steps 300] [--workers 2]`` (about 8
-minutes on 2 cores with 2 workers). Writes ``benchmarks/results/llama_tiny_stdlib.json`` and
+Run: ``.venv/bin/python benchmarks/llama_tiny_stdlib.py [--steps 300] [--workers 2]`` (about 3
+minutes on 2 idle cores with 2 workers; 149 s measured). Writes ``benchmarks/results/llama_tiny_stdlib.json`` and
 ``llama_tiny_stdlib.png`` (``..._w4.json`` / ``.png`` with ``--workers 4``).
 """
 
