@@ -1,17 +1,17 @@
-"""LLaMA ``tiny`` on the Python standard library: DDP vs block-level SDP at C = 0.5, 2 (or more) workers.
+"""LLaMA ``tiny`` on the Python standard library: DDP vs B-SDP vs N-SDP at C = 0.5, 2 (or more) workers.
 
-Runs the recipe ``llama_tiny_stdlib`` twice through the real command line (``subnetdp train``, which
-starts 2 local gloo workers): at coverage 1 (every rank holds the whole model: DDP — the test suite
-checks that subnetdp at C = 1 matches torch's DistributedDataParallel parameter for parameter) and
-at coverage 0.5 (B-SDP: each rank holds 2 of the 4 blocks). Same seed, data, steps and schedule.
-Reports the union model's validation loss and perplexity after the same number of steps, the
-parameters and peak tensor memory per rank, bytes sent per step and step time, and draws the
-training and validation loss curves.
+Runs the recipe ``llama_tiny_stdlib`` three times through the real command line (``subnetdp train``,
+which starts 2 local gloo workers): at coverage 1 (every rank holds the whole model: DDP — the test
+suite checks that subnetdp at C = 1 matches torch's DistributedDataParallel parameter for parameter),
+at coverage 0.5 with block-level masking (B-SDP: each rank holds 2 of the 4 blocks) and at coverage
+0.5 with neuron-level masking (N-SDP, ``masker.granularity=neuron``: each rank holds 4 of the 8
+SwiGLU hidden ranges of every layer). Same seed, data, steps and schedule. Reports the union
+model's validation loss and perplexity after the same number of steps, the parameters and peak
+tensor memory per rank, bytes sent per step and step time, and draws the training and validation
+loss curves.
 
-N-SDP (neuron level) is not run: it needs the sliced-tensor synchroniser of the masking issue.
-
-Run: ``.venv/bin/python benchmarks/llama_tiny_stdlib.py [--steps 300] [--workers 2]`` (about 5
-minutes on 2 cores with 2 workers). Writes ``benchmarks/results/llama_tiny_stdlib.json`` and
+Run: ``.venv/bin/python benchmarks/llama_tiny_stdlib.py [--steps 300] [--workers 2]`` (about 3
+minutes on 2 idle cores with 2 workers; 149 s measured). Writes ``benchmarks/results/llama_tiny_stdlib.json`` and
 ``llama_tiny_stdlib.png`` (``..._w4.json`` / ``.png`` with ``--workers 4``).
 """
 
@@ -27,13 +27,15 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-RUNS = {"DDP (C=1)": 1.0, "B-SDP (C=0.5)": 0.5}
+# label: (coverage, granularity)
+RUNS = {"DDP (C=1)": (1.0, "block"), "B-SDP (C=0.5)": (0.5, "block"),
+        "N-SDP (C=0.5)": (0.5, "neuron")}
 
 
-def run(coverage: float, steps: int, eval_every: int, tmp: Path, workers: int) -> dict:
-    name = f"c{coverage:g}-w{workers}"
+def run(coverage: float, granularity: str, steps: int, eval_every: int, tmp: Path, workers: int) -> dict:
+    name = f"c{coverage:g}-{granularity}-w{workers}"
     cmd = [str(Path(sys.executable).parent / "subnetdp"), "train", "llama_tiny_stdlib",
-           f"masker.coverage={coverage}", f"launch.nproc={workers}", f"train.steps={steps}", f"eval.every={eval_every}",
+           f"masker.coverage={coverage}", f"masker.granularity={granularity}", f"launch.nproc={workers}", f"train.steps={steps}", f"eval.every={eval_every}",
            f"train.log_every={eval_every}", f"run.dir={tmp}", f"run.name={name}", f"data.cache_dir={tmp / 'data'}",
            "train.progress=false"]
     t0 = time.perf_counter()
@@ -41,7 +43,7 @@ def run(coverage: float, steps: int, eval_every: int, tmp: Path, workers: int) -
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp / name / "summary.json").read_text())
-    return {"coverage": coverage, "command": " ".join(cmd[1:]), "wall_s": wall,
+    return {"coverage": coverage, "granularity": granularity, "command": " ".join(cmd[1:]), "wall_s": wall,
             "train": [(r["step"], r["train/loss"]) for r in records if "train/loss" in r],
             "eval": [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r],
             "final_eval": summary["eval"], "ranks": summary["ranks"], "full_model_params": summary["full_model_params"]}
@@ -76,7 +78,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="local workers (the recipe's 2 by default)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {label: run(c, args.steps, args.eval_every, Path(tmp), args.workers) for label, c in RUNS.items()}
+        results = {label: run(c, g, args.steps, args.eval_every, Path(tmp), args.workers)
+                   for label, (c, g) in RUNS.items()}
     ddp = results["DDP (C=1)"]
     head = (f"{'run':>14} {'val loss':>8} {'ppl':>6} {'vs DDP':>7} {'params/rank':>11} {'peak MiB':>8} "
             f"{'MiB sent/step':>13} {'ms/step':>7}")

@@ -1,4 +1,4 @@
-"""Vision benchmark: per-rank peak memory and accuracy of block-level SDP against DDP (Swin, ResNet-18).
+"""Vision benchmark: per-rank peak memory and accuracy of block- and neuron-level SDP against DDP (Swin, ResNet-18).
 
 1. Memory. One rank's training step (forward, backward, optimizer step) at 32x32, batch 64 per
    worker, measured with the dispatch-level :class:`TensorMemoryTracker` under ``FakeTensorMode``
@@ -9,11 +9,15 @@
    N-SDP (neuron level, ``masker.units_per_layer=8``) is the largest rank's physically narrower
    subnetwork of the same kind of plan (Swin: MLP hidden ranges; ResNet: inner channels of blocks).
 2. Accuracy. scikit-learn's digits resized to 32x32 (``data.image_size=32``), 2 gloo ranks, one
-   thread each: torch DDP for S steps, B-SDP at C = 0.5 for S steps (same steps) and for S / C
-   steps (FLOP-matched: each B-SDP step runs about C of DDP's FLOPs). The union model is evaluated
-   on the 360 held-out images by the same code for every column.
+   thread each: torch DDP for S steps; B-SDP (block level) and N-SDP (neuron level,
+   ``masker.granularity=neuron``, 8 hidden ranges per layer) at C = 0.5, each for S steps (same
+   steps) and for S / C steps (FLOP-matched by the method's rule: an SDP step runs about C of
+   DDP's FLOPs). The column ``fwd FLOPs`` is the measured forward FLOPs per image of the largest
+   rank's model relative to the full model (``FlopCounterMode``), which says how close to C a step
+   really is (shared parts such as the stem, patch embedding and head are always computed). The
+   union model is evaluated on the 360 held-out images by the same code for every row.
 
-Usage: python benchmarks/vision.py [--steps S] [--batch-size B] [--skip-accuracy]
+Usage: python benchmarks/vision.py [--swin-steps S] [--resnet-steps S] [--batch-size B] [--skip-accuracy]
 Writes benchmarks/results/vision.json and prints both tables.
 """
 
@@ -203,6 +207,34 @@ def spawn(jobs: list[tuple[str, list[str]]], world: int = 2, timeout: float = 12
         return json.loads(Path(out).read_text())
 
 
+def flop_fraction(overrides: list[str], world: int = 2) -> float:
+    """Forward FLOPs per image of the largest rank's model over the full model's, for ``world`` ranks."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from subnetdp.core.variants import local_model, partition_model
+
+    pm = PluginManager()
+    cfg = compose(None, overrides, pm.registries)
+    spec = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed)).spec()
+    adapter = pm.get("model", cfg.model.name)(cfg.model)
+    torch.manual_seed(int(cfg.seed))
+    full = adapter.build(spec)
+    partition = partition_model(adapter, full, cfg.masker, spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(pm.get("masker", cfg.masker.name)(cfg.masker), partition, world, int(cfg.seed), 1)
+    x = torch.zeros(1, spec.in_channels or 3, spec.image_size, spec.image_size)
+
+    def flops(model: torch.nn.Module) -> int:
+        model.eval()
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x)
+        return counter.get_total_flops()
+
+    ranks = [local_model(adapter, copy.deepcopy(full), plan.owned[r], partition, cfg.masker)[0] for r in range(world)]
+    return max(flops(m) for m in ranks) / flops(full)
+
+
 def accuracy_table(steps: dict[str, int], batch: int, coverage: float, run_dir: str) -> list[dict]:
     rows = []
     for label, model in ACCURACY_MODELS.items():
@@ -212,12 +244,18 @@ def accuracy_table(steps: dict[str, int], batch: int, coverage: float, run_dir: 
         common = model + ["data.name=digits", "data.image_size=32", f"train.batch_size={batch}", "optim.warmup_steps=5",
                           "optim.schedule=cosine", "launch.threads_per_rank=1", "train.progress=false",
                           "train.log_every=1000", "run.tensorboard=false", f"run.dir={run_dir}"]
-        runs = [("DDP (torch)", "ddp", 1.0, s), ("B-SDP, same steps", "sdp", coverage, s),
-                ("B-SDP, FLOP-matched", "sdp", coverage, round(s / coverage))]
-        jobs = [(kind, common + [f"masker.coverage={c}", f"train.steps={n}", f"run.name={kind}-{c}-{n}"])
-                for _, kind, c, n in runs]
-        for (method, _, c, n), result in zip(runs, spawn(jobs)):
-            rows.append({"model": label, "method": method, "coverage": c, "steps": n,
+        runs = [("DDP (torch)", "ddp", 1.0, s, "block")]
+        for method, granularity in (("B-SDP", "block"), ("N-SDP", "neuron")):
+            runs += [(f"{method}, same steps", "sdp", coverage, s, granularity),
+                     (f"{method}, FLOP-matched", "sdp", coverage, round(s / coverage), granularity)]
+        jobs = [(kind, common + [f"masker.coverage={c}", f"masker.granularity={g}", f"train.steps={n}",
+                                 f"run.name={kind}-{g}-{c}-{n}"])
+                for _, kind, c, n, g in runs]
+        fraction = {g: flop_fraction(common + [f"masker.coverage={coverage}", f"masker.granularity={g}"])
+                    for g in ("block", "neuron")}
+        for (method, _, c, n, g), result in zip(runs, spawn(jobs)):
+            rows.append({"model": label, "method": method, "coverage": c, "granularity": g, "steps": n,
+                         "fwd_flops_vs_ddp": 1.0 if c == 1.0 else fraction[g],
                          "accuracy": result["eval"]["accuracy"], "eval_loss": result["eval"]["loss"],
                          "params_held": result["params_held"], "step_time_s": result["step_time_s"],
                          "wall_s": result["wall_s"]})
@@ -228,7 +266,8 @@ def accuracy_table(steps: dict[str, int], batch: int, coverage: float, run_dir: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--swin-steps", type=int, default=60, help="Swin: DDP's steps S (FLOP-matched B-SDP: S / C); 0 skips")
+    ap.add_argument("--swin-steps", type=int, default=60,
+                    help="Swin: DDP's steps S (FLOP-matched SDP: S / C); 0 skips")
     ap.add_argument("--resnet-steps", type=int, default=16, help="ResNet-18: DDP's steps S; 0 skips")
     ap.add_argument("--batch-size", type=int, default=16, help="per rank, accuracy runs")
     ap.add_argument("--memory-batch-size", type=int, default=64, help="per worker, memory step")
@@ -255,11 +294,12 @@ def main() -> None:
         print(f"\nAccuracy on digits at 32x32, 2 gloo ranks x batch {args.batch_size}:", flush=True)
         with tempfile.TemporaryDirectory() as run_dir:
             acc = accuracy_table(steps, args.batch_size, 0.5, run_dir)
-        print(f"\n{'model':<24} {'method':<20} {'C':>4} {'steps':>5} {'accuracy':>8} {'eval loss':>9} "
+        print(f"\n{'model':<24} {'method':<20} {'C':>4} {'steps':>5} {'fwd FLOPs':>9} {'accuracy':>8} {'eval loss':>9} "
               f"{'params/rank':>11} {'step s':>7} {'acc - DDP':>9}")
         for r in acc:
             ddp = next(d for d in acc if d["model"] == r["model"] and d["coverage"] == 1.0)
-            print(f"{r['model']:<24} {r['method']:<20} {r['coverage']:>4.2f} {r['steps']:>5} {r['accuracy']:>8.4f} "
+            print(f"{r['model']:<24} {r['method']:<20} {r['coverage']:>4.2f} {r['steps']:>5} "
+                  f"{r['fwd_flops_vs_ddp']:>9.2f} {r['accuracy']:>8.4f} "
                   f"{r['eval_loss']:>9.4f} {r['params_held']:>11,} {r['step_time_s']:>7.3f} "
                   f"{r['accuracy'] - ddp['accuracy']:>+9.4f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

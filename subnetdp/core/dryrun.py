@@ -1,8 +1,11 @@
 """A rank's training step without allocating: peak memory and bytes from a dry run.
 
-The rank's model is built, materialised (or masked, for backward masking) and trained for two steps
-under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, which gives every tensor a shape and
-no storage; the second step runs inside :class:`~subnetdp.core.metrics.TensorMemoryTracker`, the
+The rank's model is built on the ``meta`` device and materialised (or masked, for backward masking)
+there, which costs no memory and no initialisation and runs an initialiser's data-dependent code
+(``trunc_normal_``'s rejection loop) as a no-op; its parameters and buffers then become fake CPU
+tensors of the same shapes, dtypes and strides (tied tensors stay tied), and it is trained for two
+steps under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, which gives every tensor a
+shape and no storage. The second step runs inside :class:`~subnetdp.core.metrics.TensorMemoryTracker`, the
 same tracker and the same baseline (parameters, buffers, gradients, gradient buckets, optimizer
 state) the training loop uses on a CPU, so the estimate is the step the loop measures. Collectives
 go to :class:`DryRunCommunicator`, which does nothing but count the payload.
@@ -53,16 +56,62 @@ class DryRunCommunicator(Communicator):
         return None
 
 
+def fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
+    """Replace every parameter and buffer of ``module`` (in place) by a fake CPU tensor like it.
+
+    Shapes, dtypes, strides and ``requires_grad`` are kept; a tensor registered in several places
+    (tied embeddings) becomes one fake tensor registered in the same places.
+    """
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        return memo[id(t)]
+
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = fake(p)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = fake(b)
+    return module
+
+
+def _clip(model: torch.nn.Module, comm: Communicator, max_norm: float) -> None:
+    """Gradient clipping's tensor work without reading the norm (a fake tensor has no value).
+
+    The loop's clipping (:meth:`OwnerGroupAverager.clip_grad_norm_`) reduces one scalar norm per
+    tensor, all-reduces the sum (8 bytes) and scales every gradient in place; here the scale stays
+    a tensor, so the same tensors are made and the in-place scaling runs whatever the norm is.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        total += torch.linalg.vector_norm(g).double() ** 2
+    saved = dict(comm.bytes.by_group)
+    # collective: every rank reaches this (the dry run's communicator only counts it).
+    comm.all_reduce(total, list(range(comm.world_size))).wait()
+    comm.bytes.by_group = saved  # the loop does not count the guard's and the norm's scalars either
+    coef = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+
+
 def _step(model: torch.nn.Module, adapter: ModelAdapter, batch: Any, averager: OwnerGroupAverager,
-          optimizer: torch.optim.Optimizer, accum: int, refresher: Any, clip: float) -> None:
+          optimizer: torch.optim.Optimizer, accum: int, refresher: Any, clip: float,
+          comm: Communicator) -> None:
     averager.prepare()
     for micro in range(accum):
         with averager.no_sync() if micro < accum - 1 else _null():
             loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
             loss.backward()
     averager.finish()
-    # Gradient clipping (optim.clip_grad_norm) is left out: it scales gradients in place and its norm
-    # is a few scalars, so it adds no memory worth estimating, and it needs real values.
+    if clip > 0:
+        _clip(model, comm, clip)
     optimizer.step()
     if refresher is not None:
         refresher.refresh()
@@ -88,11 +137,10 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
     """
     comm = DryRunCommunicator(rank, plan.world_size)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.device("meta"):
+        model, pmap = local_model(adapter, adapter.build(spec), plan.owned[rank], partition, cfg.masker)
+    fake_module(model, fake)
     with fake:
-        torch.manual_seed(int(cfg.seed))
-        full = adapter.build(spec)
-        model, pmap = local_model(adapter, full, plan.owned[rank], partition, cfg.masker)
-        del full
         model.train()
         fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
         optimizer = build_optimizer(cfg.optim, model.parameters())
@@ -109,12 +157,12 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
         every = max(1, int(getattr(cfg.masker, "refresh_every", 1)))
         if measured > 1:
-            _step(model, adapter, fbatch, averager, optimizer, accum, refresher, clip)
+            _step(model, adapter, fbatch, averager, optimizer, accum, refresher, clip, comm)
         comm.bytes.reset()
         state = training_state_tensors(model, optimizer, averager.state_tensors())
         with TensorMemoryTracker(live_state_bytes(state)) as tracker:
             _step(model, adapter, fbatch, averager, optimizer, accum,
-                  refresher if measured % every == 0 else None, clip)
+                  refresher if measured % every == 0 else None, clip, comm)
         grad_bytes = float(averager.bytes_per_step())
         if refresher is not None and plan.world_size > 1:
             grad_bytes += refresher.bytes_per_refresh() / every
