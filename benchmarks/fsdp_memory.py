@@ -12,6 +12,8 @@ gradient synchronisation, AdamW step; the optimizer state exists, as from the se
 - ``SDP`` / ``SDP+AC``: block-level SDP, cyclic masker, rank 0's materialised subnetwork.
 - ``SDP+FSDP(+AC)``: the plan is made over R replicas (cyclic masker), rank 0 = replica 0 shard 0
   holds replica 0's subnetwork sharded over the S ranks of its replica (2-D mesh R x S).
+- ``... 2mb``: two micro-batches, the first under the averager's ``no_sync()`` (the recipes
+  accumulate 8 and 2); with FSDP this keeps the unsharded gradients until the last one.
 
 AC is :func:`subnetdp.parallel.checkpointing.apply_ac` on every block. Everything runs in ONE
 process simulating rank 0 of 8 over torch's fake process group, under ``FakeTensorMode``: the
@@ -227,7 +229,8 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
     adapter = pm.get("model", "llama")(cfg.model)
     masker = pm.get("masker", cfg.masker.name)(cfg.masker)
     row: dict[str, Any] = {"variant": variant, "mode": setup.mode, "coverage": setup.coverage, "replicas": R,
-                           "shard": S, "ac": setup.ac, "accum": setup.accum, "precision": precision, "micro_batch": batch, "seq_len": seq}
+                           "shard": S, "ac": setup.ac, "accum": setup.accum, "precision": precision,
+                           "micro_batch": batch, "seq_len": seq}
     with FakeTensorMode(allow_non_fake_inputs=True):
         full = adapter.build(spec)
         partition = adapter.partition(full, "block", spec)
