@@ -1,0 +1,408 @@
+"""Per-device peak memory and bytes of one LLaMA step: DDP, FSDP2, activation checkpointing and SDP, 8 workers.
+
+For the ``1b`` and ``500m`` LLaMA at the micro-batch and sequence length of their recipes
+(``configs/recipes/llama_{1b,500m}_fineweb.yaml``) and the recipes' 8 workers, this builds rank 0's
+model for each configuration and measures one steady-state training step (forward, backward,
+gradient synchronisation, AdamW step; the optimizer state exists, as from the second step on):
+
+- ``DDP``: the full model, ``masker.coverage=1`` (subnetdp's DDP: one world owner group,
+  gradients as views of persistent buckets, as DDP's ``gradient_as_bucket_view``).
+- ``FSDP`` / ``FSDP+AC``: the full model, FSDP2 ``fully_shard`` over a 1-D mesh of 8 through
+  :func:`subnetdp.parallel.fsdp.apply_fsdp` (each block, then the root).
+- ``SDP`` / ``SDP+AC``: block-level SDP, cyclic masker, rank 0's materialised subnetwork.
+- ``SDP+FSDP(+AC)``: the plan is made over R replicas (cyclic masker), rank 0 = replica 0 shard 0
+  holds replica 0's subnetwork sharded over the S ranks of its replica (2-D mesh R x S).
+- ``... 2mb``: two micro-batches, the first under the averager's ``no_sync()`` (the recipes
+  accumulate 8 and 2); with FSDP this keeps the unsharded gradients until the last one.
+
+AC is :func:`subnetdp.parallel.checkpointing.apply_ac` on every block. Everything runs in ONE
+process simulating rank 0 of 8 over torch's fake process group, under ``FakeTensorMode``: the
+real FSDP2, DTensor, autograd, optimizer and collectives code runs, nothing is allocated, so the
+1B model measures on a laptop CPU in seconds.
+
+Memory: subnetdp's dispatch-level ``TensorMemoryTracker`` (as ``benchmarks/llama_memory.py``),
+extended in :class:`ShardTracker` for the two things FSDP2 does that a storage-creation tracker
+does not see: sharded parameters and gradients are ``DTensor`` wrappers whose storage reports the
+*full* size (counted here with their local shard), and FSDP2 allocates and frees the all-gathered
+(unsharded) parameters with ``UntypedStorage.resize_`` (counted here by wrapping ``resize_``). FSDP
+rows are cross-checked with ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, DDP/SDP
+rows without AC with ``llama_memory.measure`` (the same step without the averager).
+
+Bytes: measured as the step dispatches them. Owner-group all-reduces (DDP, SDP, SDP+FSDP): the
+project's averager (``OwnerGroupAverager`` / ``ShardedOwnerAverager``) over :class:`FakeCommunicator`,
+whose ``ByteCounter`` counts every ``all_reduce`` payload; FSDP's all-gathers and reduce-scatters:
+``subnetdp.parallel.fsdp.CollectiveBytes``; every ``c10d`` op the step dispatches is also counted by
+:class:`C10dOps` as a cross-check.
+
+Run: ``.venv/bin/python benchmarks/fsdp_memory.py`` (about 3 minutes on 2 shared cores; fp32, as
+the recipes) and ``--precision bf16`` (FSDP2 ``MixedPrecisionPolicy`` bf16 compute / fp32
+reduction when sharded, ``torch.autocast`` bf16 otherwise). Writes
+``benchmarks/results/fsdp_memory.json`` (``fsdp_memory_bf16.json``) and prints a table.
+Not measured: the CUDA caching allocator's fragmentation and reserve, NCCL's buffers, the CUDA
+context, gradient clipping (its norm needs ``.item()``, impossible on fake tensors; it allocates
+one scalar per parameter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llama_memory  # noqa: E402  (benchmarks/ is not a package)
+
+from subnetdp.core.config import compose  # noqa: E402
+from subnetdp.core.contracts import DataSpec, LaunchEnv  # noqa: E402
+from subnetdp.core.errors import PlanError  # noqa: E402
+from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
+from subnetdp.core.optim import build_optimizer  # noqa: E402
+from subnetdp.core.plan import make_plan  # noqa: E402
+from subnetdp.core.plugins import PluginManager  # noqa: E402
+from subnetdp.core.sync import OwnerGroupAverager  # noqa: E402
+from subnetdp.parallel.checkpointing import apply_ac  # noqa: E402
+from subnetdp.parallel.fsdp import CollectiveBytes, ShardedOwnerAverager, apply_fsdp, mixed_precision  # noqa: E402
+from subnetdp.plugins.comm.gloo import TorchDistCommunicator  # noqa: E402
+
+RESULTS, GiB, MiB = llama_memory.RESULTS, llama_memory.GiB, 2**20
+WORLD = 8
+# The method's reported figures (1B LLaMA, 8 workers; GB and MB read as 10^9 and 10^6 bytes).
+PAPER = {"memory_GB": {"DDP": 70.9, "FSDP+AC": 11.0, "SDP+FSDP+AC": 9.7},
+         "bytes_MB_per_step": {"DDP": 3143, "SDP+FSDP": 2253}}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration: coverage, shard size S (1 = no FSDP; R = 8 / S replicas) and AC."""
+
+    mode: str
+    coverage: float
+    shard: int = 1
+    ac: bool = False
+    accum: int = 1  # micro-batches per step; all but the last under the averager's no_sync()
+
+    @property
+    def replicas(self) -> int:
+        return WORLD // self.shard
+
+
+SETUPS = (
+    Setup("DDP", 1.0), Setup("FSDP", 1.0, 8), Setup("FSDP+AC", 1.0, 8, True),
+    Setup("SDP", 0.69), Setup("SDP", 0.5), Setup("SDP+AC", 0.69, ac=True), Setup("SDP+AC", 0.5, ac=True),
+    Setup("SDP+FSDP", 0.69, 4), Setup("SDP+FSDP", 0.5, 4),
+    Setup("SDP+FSDP+AC", 0.69, 4, True), Setup("SDP+FSDP+AC", 0.5, 4, True),
+    Setup("SDP+FSDP+AC", 0.69, 2, True), Setup("SDP+FSDP+AC", 0.5, 2, True),
+    # Gradient accumulation (the recipes use 8 and 2 micro-batches): FSDP's no_sync keeps unsharded gradients.
+    Setup("DDP", 1.0, accum=2), Setup("FSDP+AC", 1.0, 8, True, 2), Setup("SDP+FSDP+AC", 0.5, 4, True, 2),
+)
+
+
+class ShardTracker(TensorMemoryTracker):
+    """``TensorMemoryTracker`` that counts DTensors with their local shard and sees ``resize_``.
+
+    FSDP2 keeps each unsharded parameter's storage alive across steps at size 0 and grows it to
+    the full size for the all-gather copy-out (``alloc_storage``), shrinking it back after use
+    (``free_storage``); ``resize_`` of a storage is not a dispatched op, so it is wrapped here for
+    the duration of the block. ``gathered``/``gathered_at_peak`` are those bytes.
+    """
+
+    def __init__(self, baseline: int = 0) -> None:
+        super().__init__(baseline)
+        self.gathered = self.gathered_peak = self.gathered_at_peak = 0
+        self._orig_resize = None
+
+    @staticmethod
+    def _local(t: Any) -> Any:
+        return t._local_tensor if isinstance(t, DTensor) else t  # the shard (what .to_local() views)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {self._local(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                t = self._local(t)
+                if t.untyped_storage()._cdata not in inputs:
+                    self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        super()._track(t)
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        if self.current >= self.peak:
+            self.gathered_at_peak = self.gathered
+
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        key, delta = storage._cdata, storage.nbytes() - before
+        if key not in self._live:  # a storage created before the block (FSDP's unsharded parameters)
+            self._live[key] = 0
+            weakref.finalize(storage, self._free, key)
+        self._live[key] += delta
+        self.current += delta
+        self.gathered += delta
+        self.gathered_peak = max(self.gathered_peak, self.gathered)
+        self.peak = max(self.peak, self.current)
+        self._note_peak()
+
+    def __enter__(self) -> "ShardTracker":
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            before = storage.nbytes()
+            out = orig(storage, size)
+            self._resized(storage, before)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+
+class C10dOps(TorchDispatchMode):
+    """Every ``c10d`` op the step dispatches: calls and input payload by op name (a cross-check)."""
+
+    INPUT_ARG = {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allgather_into_tensor_coalesced_": 1,
+                 "reduce_scatter_tensor_coalesced_": 1}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            name = func.overloadpacket.__name__
+            arg = args[self.INPUT_ARG.get(name, 0)] if args else ()
+            items = arg if isinstance(arg, (list, tuple)) else [arg]
+            nbytes = sum(x.numel() * x.element_size() for x in items if isinstance(x, torch.Tensor))
+            rec = self.ops.setdefault(name, {"calls": 0, "payload_bytes": 0})
+            rec["calls"] += 1
+            rec["payload_bytes"] += nbytes
+        return func(*args, **(kwargs or {}))
+
+    def payload(self) -> int:
+        return sum(r["payload_bytes"] for r in self.ops.values())
+
+
+class FakeCommunicator(TorchDistCommunicator):
+    """subnetdp's ``torch.distributed`` communicator over the fake process group (rank 0 of 8)."""
+
+    backend = "fake"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def init(self) -> None:
+        if not dist.is_initialized():
+            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        self._groups[self.world] = dist.group.WORLD
+
+
+def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicator, precision: str,
+            meshes: dict[tuple[int, int], Any]) -> dict:
+    """Rank 0's peak tensor memory and collective bytes for one steady-state step of ``setup``."""
+    cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={setup.coverage}"], pm.registries)
+    assert int(cfg.launch.nproc) == WORLD
+    batch, seq, R, S = int(cfg.train.batch_size), int(cfg.data.seq_len), setup.replicas, setup.shard
+    spec = DataSpec(vocab_size=32_000, seq_len=seq)
+    adapter = pm.get("model", "llama")(cfg.model)
+    masker = pm.get("masker", cfg.masker.name)(cfg.masker)
+    row: dict[str, Any] = {"variant": variant, "mode": setup.mode, "coverage": setup.coverage, "replicas": R,
+                           "shard": S, "ac": setup.ac, "accum": setup.accum, "precision": precision,
+                           "micro_batch": batch, "seq_len": seq}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        full = adapter.build(spec)
+        partition = adapter.partition(full, "block", spec)
+        try:  # the plan is made over the R replicas (over the 8 ranks without FSDP)
+            plan = make_plan(masker, partition, R, int(cfg.seed), int(cfg.masker.min_owners))
+        except PlanError as e:
+            return {**row, "skipped": f"plan over {R} replicas at C={setup.coverage}: {e}"}
+        model, pmap = adapter.materialize(full, plan.owned[0], partition)
+        del full
+        blocks = adapter.blocks(model)
+        if setup.ac:
+            apply_ac(blocks, every=1)
+        if S > 1:
+            apply_fsdp(model, blocks, meshes[(R, S)]["shard"], mp_policy=mixed_precision(precision))
+        optimizer = build_optimizer(cfg.optim, model.parameters())
+        if S > 1:
+            averager = ShardedOwnerAverager(model, pmap, plan, partition, comm, S, float(cfg.sync.bucket_cap_mb))
+        else:
+            averager = OwnerGroupAverager(model, pmap, plan, partition, comm, float(cfg.sync.bucket_cap_mb),
+                                          int(cfg.sync.max_groups))
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" and S == 1
+                    else contextlib.nullcontext())
+        tokens = torch.zeros(batch, seq, dtype=torch.int64)
+        data = (tokens, tokens)
+
+        active: list[ShardTracker] = []  # the tracker of the measured step, to read after the forward
+        after_forward: list[int] = []
+
+        def step() -> None:  # what subnetdp.core.loop does per step (no clipping)
+            for micro in range(setup.accum):
+                with averager.no_sync() if micro < setup.accum - 1 else contextlib.nullcontext():
+                    with autocast:
+                        loss = adapter.loss(model(adapter.inputs(data)), data) / setup.accum
+                    after_forward.extend(t.current for t in active)
+                    loss.backward()
+            averager.finish()  # collective: the owner groups average the gradients
+            optimizer.step()
+
+        averager.prepare()
+        step()  # creates gradients and AdamW state, as the first real step does
+        averager.prepare()  # steady state: OwnerGroupAverager's buckets persist, FSDP's gradients are set to None
+        state = training_state_tensors(model, optimizer, averager.state_tensors())
+        baseline = live_state_bytes(state)
+        comm.bytes.reset()
+        fsdp_bytes, ops = CollectiveBytes(), C10dOps()
+        t0 = time.perf_counter()
+        with ops, fsdp_bytes, ShardTracker(baseline) as tracker:
+            active.append(tracker)
+            step()
+            active.clear()
+        seconds = time.perf_counter() - t0
+        sdp_payload, sdp_wire = comm.bytes.total(), comm.bytes.ring_estimate()  # before the cross-check's step
+        cross = None
+        if S > 1 and setup.accum == 1:  # FSDPMemTracker follows one forward per step
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            averager.prepare()
+            fmt = FSDPMemTracker(model, optimizer)
+            fmt.track_inputs((tokens,))
+            with fmt:
+                step()
+            cross = sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())
+        if not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1:
+            cross = llama_memory.measure(variant, setup.coverage, pm)["peak_bytes"]
+    held = sum(ShardTracker._local(p).numel() for p in model.parameters())
+    return {**row, "blocks_held": len(plan.owned[0]), "blocks": plan.num_units,
+            "owner_groups": len(plan.owner_sets()), "params_held_local": held,
+            "state_bytes": baseline, "peak_bytes": tracker.peak, "transient_bytes": tracker.peak - baseline,
+            "after_forward_bytes": after_forward[-1],  # live at the last loss: state, saved activations, logits
+            "gathered_params_at_peak_bytes": tracker.gathered_at_peak, "gathered_params_max_bytes": tracker.gathered_peak,
+            "crosscheck_peak_bytes": cross,
+            "crosscheck_by": ("FSDPMemTracker" if S > 1 else "llama_memory.measure") if cross is not None else None,
+            "sdp_allreduce_payload_bytes": sdp_payload, "sdp_allreduce_wire_bytes": sdp_wire,
+            "sdp_averager_bytes_per_step": averager.bytes_per_step(),
+            "fsdp_payload_bytes": fsdp_bytes.payload, "fsdp_wire_bytes": fsdp_bytes.wire,
+            "fsdp_by_kind": dict(fsdp_bytes.by_kind),
+            "payload_bytes": sdp_payload + fsdp_bytes.payload, "wire_bytes": sdp_wire + fsdp_bytes.wire,
+            "c10d_ops": ops.ops, "c10d_payload_bytes": ops.payload(), "measure_s": seconds}
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'model':>5} {'config':>15} {'C':>5} {'RxS':>5} {'blocks':>6} {'params/dev':>13} {'state':>6} "
+            f"{'peak GiB':>8} {'vs DDP':>7} {'gathered':>8} {'payload MiB':>11} {'vs DDP':>6} {'wire MiB':>9} {'vs DDP':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rxs = f"{r['replicas']}x{r['shard']}"
+        label = r["mode"] + (f" {r['accum']}mb" if r["accum"] > 1 else "")
+        if "skipped" in r:
+            lines.append(f"{r['variant']:>5} {label:>15} {r['coverage']:>5g} {rxs:>5}  skipped: {r['skipped'][:60]}")
+            continue
+        lines.append(
+            f"{r['variant']:>5} {label:>15} {r['coverage']:>5g} {rxs:>5} {r['blocks_held']:>2}/{r['blocks']:<3} "
+            f"{r['params_held_local']:>13,} {r['state_bytes'] / GiB:>6.2f} {r['peak_bytes'] / GiB:>8.2f} "
+            f"{r['peak_ratio_to_ddp']:>7.3f} {r['gathered_params_at_peak_bytes'] / GiB:>8.2f} "
+            f"{r['payload_bytes'] / MiB:>11,.0f} {r['payload_ratio_to_ddp']:>6.3f} {r['wire_bytes'] / MiB:>9,.0f} "
+            f"{r['wire_ratio_to_ddp']:>6.3f}")
+    return "\n".join(lines)
+
+
+def compare(rows: list[dict], precision: str) -> str:
+    """The 1B figures next to the method's (GB = 1e9 bytes and MB = 1e6 bytes, as the paper's units are read)."""
+    one = [r for r in rows if r["variant"] == "1b" and "skipped" not in r and r["accum"] == 1]
+    if not one:
+        return ""
+    pick = {(r["mode"], r["coverage"], r["replicas"], r["shard"]): r for r in one}
+    ddp, fsdp_ac = pick[("DDP", 1.0, 8, 1)], pick[("FSDP+AC", 1.0, 1, 8)]
+    gb = lambda r: r["peak_bytes"] / 1e9  # noqa: E731
+    combo = [r for r in one if r["mode"] == "SDP+FSDP+AC"]
+    sdp_fsdp = [r for r in one if r["mode"] == "SDP+FSDP"]
+    paper = PAPER["memory_GB"]
+    combos = "; ".join(f"C={r['coverage']:g} {r['replicas']}x{r['shard']}: {gb(r):.1f} GB ({r['peak_ratio_to_ddp'] - 1:+.0%} vs DDP, "
+                       f"{r['peak_bytes'] / fsdp_ac['peak_bytes']:.2f}x FSDP+AC)" for r in combo)
+    nets = "; ".join(f"C={r['coverage']:g} {r['replicas']}x{r['shard']}: payload {r['payload_bytes'] / 1e6:,.0f} MB "
+                     f"({r['payload_ratio_to_ddp']:.2f}x), wire {r['wire_bytes'] / 1e6:,.0f} MB ({r['wire_ratio_to_ddp']:.2f}x)"
+                     for r in sdp_fsdp)
+    return (f"1B LLaMA, {precision}, rank 0 of 8, micro-batch {ddp['micro_batch']} x {ddp['seq_len']}, one micro-batch "
+            f"per step. Memory: DDP {gb(ddp):.1f} GB per device (paper {paper['DDP']}); FSDP+AC {gb(fsdp_ac):.1f} GB "
+            f"({fsdp_ac['peak_ratio_to_ddp'] - 1:+.0%} vs DDP; paper {paper['FSDP+AC']} GB, "
+            f"{paper['FSDP+AC'] / paper['DDP'] - 1:+.0%}); SDP+FSDP+AC {combos} (paper {paper['SDP+FSDP+AC']} GB, "
+            f"{paper['SDP+FSDP+AC'] / paper['DDP'] - 1:+.0%} vs DDP, {paper['SDP+FSDP+AC'] / paper['FSDP+AC']:.2f}x FSDP+AC). "
+            f"Bytes per step: DDP payload {ddp['payload_bytes'] / 1e6:,.0f} MB, ring wire {ddp['wire_bytes'] / 1e6:,.0f} MB "
+            f"(paper {PAPER['bytes_MB_per_step']['DDP']:,} MB); SDP+FSDP {nets} (paper "
+            f"{PAPER['bytes_MB_per_step']['SDP+FSDP']:,} MB, "
+            f"{PAPER['bytes_MB_per_step']['SDP+FSDP'] / PAPER['bytes_MB_per_step']['DDP']:.2f}x).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--variants", nargs="+", default=["1b", "500m"], choices=["1b", "500m", "134m"])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    out_path = args.out or RESULTS / ("fsdp_memory.json" if args.precision == "fp32" else "fsdp_memory_bf16.json")
+    torch.set_num_threads(1)
+    pm = PluginManager()
+    comm = FakeCommunicator(compose("llama_1b_fineweb", [], pm.registries).comm, LaunchEnv(0, WORLD))
+    comm.init()
+    # Device meshes are made outside FakeTensorMode (DeviceMesh reads its rank layout with .tolist()).
+    meshes = {(s.replicas, s.shard): init_device_mesh("cpu", (s.replicas, s.shard), mesh_dim_names=("replica", "shard"))
+              for s in SETUPS if s.shard > 1}
+    rows = []
+    t0 = time.perf_counter()
+    for variant in args.variants:
+        ddps: dict[int, dict] = {}  # the DDP row with the same number of micro-batches
+        for setup in SETUPS:
+            r = measure(variant, setup, pm, comm, args.precision, meshes)
+            if "skipped" not in r:
+                ddp = ddps.setdefault(setup.accum, r)
+                r["peak_ratio_to_ddp"] = r["peak_bytes"] / ddp["peak_bytes"]
+                r["payload_ratio_to_ddp"] = r["payload_bytes"] / ddp["payload_bytes"]
+                r["wire_ratio_to_ddp"] = r["wire_bytes"] / ddp["wire_bytes"]
+            rows.append(r)
+            print(f"  {variant} {setup.mode} C={setup.coverage} {setup.replicas}x{setup.shard}: "
+                  f"{r.get('peak_bytes', 0) / GiB:.2f} GiB ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    text = table(rows)
+    comparison = compare(rows, args.precision)
+    print(text + "\n\n" + comparison)
+    out = {"benchmark": "fsdp_memory", "command": " ".join([Path(sys.executable).name] + sys.argv),
+           "precision": args.precision, "world": WORLD, "rank": 0,
+           "measured_by": ("subnetdp TensorMemoryTracker under FakeTensorMode, DTensors counted by their local "
+                           "shard and FSDP2's storage resize_ counted (ShardTracker); one process simulating rank 0 "
+                           "of 8 over torch's fake process group; tensors only"),
+           "bytes_by": ("owner-group all-reduce payload counted by the communicator's ByteCounter as the averager "
+                        "issues it (ring wire 2(k-1)/k x payload); FSDP all-gather/reduce-scatter payload and ring "
+                        "wire by subnetdp.parallel.fsdp.CollectiveBytes; c10d_ops: every c10d op dispatched"),
+           "paper": PAPER, "torch": torch.__version__, "platform": platform.platform(),
+           "seconds": time.perf_counter() - t0, "comparison": comparison, "rows": rows, "table": text}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
