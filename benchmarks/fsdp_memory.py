@@ -51,7 +51,6 @@ import json
 import platform
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +59,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_memory  # noqa: E402  (benchmarks/ is not a package)
@@ -71,11 +68,12 @@ import llama_memory  # noqa: E402  (benchmarks/ is not a package)
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import DataSpec, LaunchEnv  # noqa: E402
 from subnetdp.core.errors import PlanError  # noqa: E402
-from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
+from subnetdp.core.metrics import live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.core.optim import build_optimizer  # noqa: E402
 from subnetdp.core.plan import make_plan  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
 from subnetdp.core.sync import OwnerGroupAverager  # noqa: E402
+from subnetdp.parallel.fsdp import ShardedMemoryTracker as ShardTracker  # noqa: E402
 from subnetdp.parallel.checkpointing import apply_ac  # noqa: E402
 from subnetdp.parallel.fsdp import CollectiveBytes, ShardedOwnerAverager, apply_fsdp, mixed_precision  # noqa: E402
 from subnetdp.plugins.comm.gloo import TorchDistCommunicator  # noqa: E402
@@ -111,72 +109,6 @@ SETUPS = (
     # Gradient accumulation (the recipes use 8 and 2 micro-batches): FSDP's no_sync keeps unsharded gradients.
     Setup("DDP", 1.0, accum=2), Setup("FSDP+AC", 1.0, 8, True, 2), Setup("SDP+FSDP+AC", 0.5, 4, True, 2),
 )
-
-
-class ShardTracker(TensorMemoryTracker):
-    """``TensorMemoryTracker`` that counts DTensors with their local shard and sees ``resize_``.
-
-    FSDP2 keeps each unsharded parameter's storage alive across steps at size 0 and grows it to
-    the full size for the all-gather copy-out (``alloc_storage``), shrinking it back after use
-    (``free_storage``); ``resize_`` of a storage is not a dispatched op, so it is wrapped here for
-    the duration of the block. ``gathered``/``gathered_at_peak`` are those bytes.
-    """
-
-    def __init__(self, baseline: int = 0) -> None:
-        super().__init__(baseline)
-        self.gathered = self.gathered_peak = self.gathered_at_peak = 0
-        self._orig_resize = None
-
-    @staticmethod
-    def _local(t: Any) -> Any:
-        return t._local_tensor if isinstance(t, DTensor) else t  # the shard (what .to_local() views)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {self._local(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                t = self._local(t)
-                if t.untyped_storage()._cdata not in inputs:
-                    self._track(t)
-        return out
-
-    def _track(self, t: torch.Tensor) -> None:
-        super()._track(t)
-        self._note_peak()
-
-    def _note_peak(self) -> None:
-        if self.current >= self.peak:
-            self.gathered_at_peak = self.gathered
-
-    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
-        key, delta = storage._cdata, storage.nbytes() - before
-        if key not in self._live:  # a storage created before the block (FSDP's unsharded parameters)
-            self._live[key] = 0
-            weakref.finalize(storage, self._free, key)
-        self._live[key] += delta
-        self.current += delta
-        self.gathered += delta
-        self.gathered_peak = max(self.gathered_peak, self.gathered)
-        self.peak = max(self.peak, self.current)
-        self._note_peak()
-
-    def __enter__(self) -> "ShardTracker":
-        orig = self._orig_resize = torch.UntypedStorage.resize_
-
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            before = storage.nbytes()
-            out = orig(storage, size)
-            self._resized(storage, before)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        torch.UntypedStorage.resize_ = self._orig_resize
-        return super().__exit__(*exc)
 
 
 class C10dOps(TorchDispatchMode):

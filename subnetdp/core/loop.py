@@ -16,7 +16,7 @@ from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
                                      ParamMap, Partition)
 from subnetdp.core.errors import ConfigError, RankMismatchError
-from subnetdp.core.metrics import (RunLogger, TensorMemoryTracker, bytes_by_group, group_label, live_state_bytes,
+from subnetdp.core.metrics import (RunLogger, bytes_by_group, group_label, live_state_bytes,
                                    plan_figure, tensor_digest, training_state_tensors, write_json)
 from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
@@ -220,12 +220,12 @@ def _train(run: Run, pm: PluginManager) -> None:
     for step in range(first, steps + 1):
         probe = step == min(max(int(cfg.train.memory_step), first), steps)  # the step that is measured
         measure = device.type == "cpu" and probe
-        tracker = (TensorMemoryTracker(live_state_bytes(training_state_tensors(model, optimizer,
-                                                                               averager.state_tensors())))
-                   if measure else contextlib.nullcontext())
         t0 = time.perf_counter()
+        averager.prepare()  # drops the last step's gradients: before the memory baseline is taken
+        tracker = (run.parallel.memory_tracker(live_state_bytes(training_state_tensors(model, optimizer,
+                                                                                      averager.state_tensors())))
+                   if measure else contextlib.nullcontext())
         with tracker, run.parallel.counting(probe):  # FSDP's all-gathers and reduce-scatters, when sharded
-            averager.prepare()
             before, before_wire = comm.bytes.total(), comm.bytes.ring_estimate()
             before_groups = dict(comm.bytes.by_group)
             step_loss = torch.zeros((), device=device)

@@ -10,6 +10,7 @@ bit on gloo; the assertion keeps the tolerance because no library promises the s
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -58,8 +59,10 @@ def _two_ranks(rank: int, world: int, init_method: str, cache: str) -> dict:
                                             f"resume={ckpt}"), rank, world)
     bf16, bf16_summary, _ = _train_gathered(_config(init_method + "-bf16", cache, *base, "run.name=bf16",
                                                     "train.precision=bf16"), rank, world)
+    _, plain, _ = _train_gathered(_config(init_method + "-plain", cache, "masker.coverage=1", "run.name=plain"),
+                                  rank, world)
     return {"fsdp": fsdp, "summary": summary, "kinds": kinds, "ddp": ddp, "resumed": resumed, "bf16": bf16,
-            "bf16_summary": bf16_summary}
+            "bf16_summary": bf16_summary, "plain": plain}
 
 
 def test_fsdp_one_replica_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_path):
@@ -79,6 +82,9 @@ def test_fsdp_one_replica_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_p
         # padding FSDP adds so dim 0 divides by S).
         assert 4 * full <= mine["fsdp_bytes_per_step"]["reduce_scatter"] < 4 * full * 1.01, mine["fsdp_bytes_per_step"]
         assert mine["bytes_sent_per_step"] >= sum(mine["fsdp_bytes_per_step"].values())
+        # Measured peak memory (sharded state, gathered blocks counted) is below the unsharded run's.
+        unsharded = res["plain"]["ranks"][r]["peak_memory_bytes"]
+        assert 0 < mine["peak_memory_bytes"] < 0.9 * unsharded, (mine["peak_memory_bytes"], unsharded)
         assert res["fsdp"].keys() == res["ddp"].keys()
         for name, ref in res["ddp"].items():
             torch.testing.assert_close(res["fsdp"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
@@ -97,7 +103,7 @@ def test_fsdp_one_replica_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_p
 
 
 def _replicas(rank: int, world: int, init_method: str, cache: str) -> dict:
-    common = ("masker.coverage=0.5", "optim.clip_grad_norm=0.05")
+    common = ("masker.coverage=0.5", "optim.clip_grad_norm=0.05", "train.grad_accum=2")
     # Activation checkpointing composes with FSDP (recomputation re-gathers the block) and changes nothing.
     cfg = _config(init_method, cache, "fsdp.shard_size=2", "run.name=rxs", "train.activation_checkpointing=1", *common)
     fsdp, summary, _ = _train_gathered(cfg, rank, world)
@@ -112,7 +118,7 @@ def _replicas(rank: int, world: int, init_method: str, cache: str) -> dict:
 
 
 def _reference(cfg, replica: int) -> dict[str, torch.Tensor]:
-    """SDP without FSDP on 2 ranks; rank r's batch is the concatenation of ranks (r, 0) and (r, 1)'s."""
+    """SDP without FSDP on 2 ranks; rank r's micro-batch is the concatenation of ranks (r, 0) and (r, 1)'s."""
     env = LaunchEnv(replica, 2, replica, 2, "test")
     pm = plugin_manager()
     run = setup(cfg, env, pm)
@@ -122,11 +128,14 @@ def _reference(cfg, replica: int) -> dict[str, torch.Tensor]:
         sched = build_schedule(cfg.optim, opt, STEPS)
         averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, run.comm)
         loaders = [iter(run.data.train_loader(2 * replica + s, 4, int(cfg.train.batch_size))) for s in range(2)]
+        accum = int(cfg.train.grad_accum)
         for _ in range(STEPS):
-            parts = [next(it) for it in loaders]
-            batch = tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
             averager.prepare()
-            run.adapter.loss(model(run.adapter.inputs(batch)), batch).backward()
+            for micro in range(accum):
+                parts = [next(it) for it in loaders]
+                batch = tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
+                with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                    (run.adapter.loss(model(run.adapter.inputs(batch)), batch) / accum).backward()
             averager.finish()
             averager.clip_grad_norm_(float(cfg.optim.clip_grad_norm))
             opt.step()
