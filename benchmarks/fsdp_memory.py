@@ -13,7 +13,9 @@ gradient synchronisation, AdamW step; the optimizer state exists, as from the se
 - ``SDP+FSDP(+AC)``: the plan is made over R replicas (cyclic masker), rank 0 = replica 0 shard 0
   holds replica 0's subnetwork sharded over the S ranks of its replica (2-D mesh R x S).
 - ``... 2mb``: two micro-batches, the first under the averager's ``no_sync()`` (the recipes
-  accumulate 8 and 2); with FSDP this keeps the unsharded gradients until the last one.
+  accumulate 8 and 2); FSDP reduce-scatters each one (``fsdp.reduce_each_micro_batch=true``, the
+  default); ``2mb defer``: FSDP's reduce-scatter waits for the last one, keeping the unsharded
+  gradients until then (``fsdp.reduce_each_micro_batch=false``).
 
 AC is :func:`subnetdp.parallel.checkpointing.apply_ac` on every block. Everything runs in ONE
 process simulating rank 0 of 8 over torch's fake process group, under ``FakeTensorMode``: the
@@ -94,6 +96,7 @@ class Setup:
     shard: int = 1
     ac: bool = False
     accum: int = 1  # micro-batches per step; all but the last under the averager's no_sync()
+    defer: bool = False  # fsdp.reduce_each_micro_batch=false: one reduce-scatter per step
 
     @property
     def replicas(self) -> int:
@@ -106,8 +109,10 @@ SETUPS = (
     Setup("SDP+FSDP", 0.69, 4), Setup("SDP+FSDP", 0.5, 4),
     Setup("SDP+FSDP+AC", 0.69, 4, True), Setup("SDP+FSDP+AC", 0.5, 4, True),
     Setup("SDP+FSDP+AC", 0.69, 2, True), Setup("SDP+FSDP+AC", 0.5, 2, True),
-    # Gradient accumulation (the recipes use 8 and 2 micro-batches): FSDP's no_sync keeps unsharded gradients.
+    # Gradient accumulation (the recipes use 8 and 2 micro-batches): a reduce-scatter per micro-batch,
+    # or one per step with the unsharded gradients kept until then (defer).
     Setup("DDP", 1.0, accum=2), Setup("FSDP+AC", 1.0, 8, True, 2), Setup("SDP+FSDP+AC", 0.5, 4, True, 2),
+    Setup("FSDP+AC", 1.0, 8, True, 2, True), Setup("SDP+FSDP+AC", 0.5, 4, True, 2, True),
 )
 
 
@@ -161,7 +166,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
     adapter = pm.get("model", "llama")(cfg.model)
     masker = pm.get("masker", cfg.masker.name)(cfg.masker)
     row: dict[str, Any] = {"variant": variant, "mode": setup.mode, "coverage": setup.coverage, "replicas": R,
-                           "shard": S, "ac": setup.ac, "accum": setup.accum, "precision": precision,
+                           "shard": S, "ac": setup.ac, "accum": setup.accum, "defer": setup.defer, "precision": precision,
                            "micro_batch": batch, "seq_len": seq}
     with FakeTensorMode(allow_non_fake_inputs=True):
         full = adapter.build(spec)
@@ -179,7 +184,8 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
             apply_fsdp(model, blocks, meshes[(R, S)]["shard"], mp_policy=mixed_precision(precision))
         optimizer = build_optimizer(cfg.optim, model.parameters())
         if S > 1:
-            averager = ShardedOwnerAverager(model, pmap, plan, partition, comm, S, float(cfg.sync.bucket_cap_mb))
+            averager = ShardedOwnerAverager(model, pmap, plan, partition, comm, S, float(cfg.sync.bucket_cap_mb),
+                                            reduce_each_micro_batch=not setup.defer)
         else:
             averager = OwnerGroupAverager(model, pmap, plan, partition, comm, float(cfg.sync.bucket_cap_mb),
                                           int(cfg.sync.max_groups))
@@ -244,17 +250,17 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'model':>5} {'config':>15} {'C':>5} {'RxS':>5} {'blocks':>6} {'params/dev':>13} {'state':>6} "
+    head = (f"{'model':>5} {'config':>21} {'C':>5} {'RxS':>5} {'blocks':>6} {'params/dev':>13} {'state':>6} "
             f"{'peak GiB':>8} {'vs DDP':>7} {'gathered':>8} {'payload MiB':>11} {'vs DDP':>6} {'wire MiB':>9} {'vs DDP':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rxs = f"{r['replicas']}x{r['shard']}"
-        label = r["mode"] + (f" {r['accum']}mb" if r["accum"] > 1 else "")
+        label = r["mode"] + (f" {r['accum']}mb" if r["accum"] > 1 else "") + (" defer" if r.get("defer") else "")
         if "skipped" in r:
-            lines.append(f"{r['variant']:>5} {label:>15} {r['coverage']:>5g} {rxs:>5}  skipped: {r['skipped'][:60]}")
+            lines.append(f"{r['variant']:>5} {label:>21} {r['coverage']:>5g} {rxs:>5}  skipped: {r['skipped'][:60]}")
             continue
         lines.append(
-            f"{r['variant']:>5} {label:>15} {r['coverage']:>5g} {rxs:>5} {r['blocks_held']:>2}/{r['blocks']:<3} "
+            f"{r['variant']:>5} {label:>21} {r['coverage']:>5g} {rxs:>5} {r['blocks_held']:>2}/{r['blocks']:<3} "
             f"{r['params_held_local']:>13,} {r['state_bytes'] / GiB:>6.2f} {r['peak_bytes'] / GiB:>8.2f} "
             f"{r['peak_ratio_to_ddp']:>7.3f} {r['gathered_params_at_peak_bytes'] / GiB:>8.2f} "
             f"{r['payload_bytes'] / MiB:>11,.0f} {r['payload_ratio_to_ddp']:>6.3f} {r['wire_bytes'] / MiB:>9,.0f} "

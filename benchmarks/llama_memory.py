@@ -5,7 +5,7 @@ For every variant, at the micro-batch and sequence length of its recipe
 the full model for DDP (coverage 1), the materialised subnetwork of the cyclic plan for B-SDP at
 coverage 0.69 and 0.5 and for N-SDP at 0.5 (8 SwiGLU hidden ranges per layer, narrowed MLPs) — and measures a steady-state training step (forward, backward, AdamW step;
 gradients persist between steps, as DDP's ``gradient_as_bucket_view`` and subnetdp's buckets keep
-them) with subnetdp's dispatch-level ``TensorMemoryTracker`` under ``FakeTensorMode``: every tensor
+them, and the loop's own OwnerGroupAverager runs over a counting communicator) with subnetdp's dispatch-level ``TensorMemoryTracker`` under ``FakeTensorMode``: every tensor
 torch would allocate is counted, nothing is allocated, so 1B models measure on a laptop CPU.
 Peak = parameters + gradients + AdamW state + the step's transient tensors (activations, logits).
 Not counted: the CUDA caching allocator's fragmentation, NCCL's buffers, the CUDA context.
@@ -26,11 +26,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.config import compose
+from subnetdp.core.dryrun import DryRunCommunicator
 from subnetdp.core.contracts import DataSpec
 from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.core.optim import build_optimizer
 from subnetdp.core.plan import make_plan
 from subnetdp.core.plugins import PluginManager
+from subnetdp.core.sync import OwnerGroupAverager
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30
@@ -51,23 +53,29 @@ def measure(variant: str, coverage: float, pm: PluginManager, granularity: str =
         if granularity == "neuron":
             partition = adapter.partition(full, "neuron", spec, units_per_layer=8)
             plan = make_plan(masker, partition, world, int(cfg.seed), 1)
-            model, _ = adapter.materialize(full, plan.owned[0], partition, rescale=True)
+            model, pmap = adapter.materialize(full, plan.owned[0], partition, rescale=True)
         else:
             partition = adapter.partition(full, "block", spec)
             plan = make_plan(masker, partition, world, int(cfg.seed), 1)
-            model, _ = adapter.materialize(full, plan.owned[0], partition)
+            model, pmap = adapter.materialize(full, plan.owned[0], partition)
         del full
         optimizer = build_optimizer(cfg.optim, model.parameters())
+        # The loop's own synchroniser (its buckets are part of a rank's memory: views of the gradients
+        # at block level, per-step copies of the sliced gradients at neuron level); the dry run's
+        # communicator only counts what it is handed.
+        averager = OwnerGroupAverager(model, pmap, plan, partition, DryRunCommunicator(0, world))
         tokens = torch.zeros(batch, seq, dtype=torch.int64)
         data = (tokens, tokens)
 
         def step() -> None:
-            optimizer.zero_grad(set_to_none=False)
             adapter.loss(model(adapter.inputs(data)), data).backward()
+            averager.finish()
             optimizer.step()
 
+        averager.prepare()
         step()  # creates gradients and AdamW state, as the first real step does
-        state = training_state_tensors(model, optimizer)
+        averager.prepare()  # as the loop: last step's gradients dropped before the baseline
+        state = training_state_tensors(model, optimizer, averager.state_tensors())
         baseline = live_state_bytes(state)
         t0 = time.perf_counter()
         with TensorMemoryTracker(baseline) as tracker:

@@ -93,6 +93,7 @@ class FSDPConfig:
 
     shard_size: int = 1  # S ranks hold one subnetwork and shard it; 1 = no FSDP
     reshard_after_forward: bool = True  # ZeRO-3; false keeps the gathered block until backward (ZeRO-2)
+    reduce_each_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded gradients kept meanwhile
 
 
 @dataclass

@@ -48,7 +48,8 @@ class Parallelism:
             from subnetdp.parallel.fsdp import ShardedOwnerAverager
 
             return ShardedOwnerAverager(run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition,
-                                        run.comm, self.shard_size, float(cfg.sync.bucket_cap_mb))
+                                        run.comm, self.shard_size, float(cfg.sync.bucket_cap_mb),
+                                        bool(cfg.fsdp.reduce_each_micro_batch))
         return OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
                                   float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
 

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -244,14 +244,17 @@ class ShardedOwnerAverager:
         comm: the communicator (its world is R x S ranks).
         shard_size: S.
         bucket_cap_mb: largest bucket, in MiB.
+        reduce_each_micro_batch: FSDP reduce-scatters every micro-batch (else only the last).
     """
 
     dense = False
     replicated = False  # each rank holds a shard: the norm and checks always need the world
 
     def __init__(self, model: nn.Module, pmap: ParamMap, replica_plan: MaskPlan, partition: Partition,
-                 comm: Communicator, shard_size: int, bucket_cap_mb: float = 25.0) -> None:
+                 comm: Communicator, shard_size: int, bucket_cap_mb: float = 25.0,
+                 reduce_each_micro_batch: bool = True) -> None:
         self.model, self.comm, self.shard_size = model, comm, shard_size
+        self.reduce_each_micro_batch = reduce_each_micro_batch
         self.replica, self.shard = divmod(comm.rank, shard_size)
         self.world = tuple(range(comm.world_size))
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -300,13 +303,26 @@ class ShardedOwnerAverager:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Micro-batches before the last: FSDP still reduce-scatters each one (as torchtitan does).
+        """Micro-batches before the last (``train.grad_accum``).
 
-        Turning FSDP's gradient sync off would keep the whole replica's unsharded gradients until the
-        last micro-batch (+3.9 GiB at 1B LLaMA with the recipe's 8 micro-batches) and re-gather
-        nothing less; the replicas' own averaging runs once per step in :meth:`finish` either way.
+        By default FSDP still reduce-scatters each micro-batch's gradients (as torchtitan does):
+        memory stays at the sharded gradients, bytes grow with the micro-batches. With
+        ``fsdp.reduce_each_micro_batch=false`` the reduce-scatter waits for the last micro-batch:
+        one per step, but the replica's unsharded gradients live until then (+3.4 GiB at 1B LLaMA,
+        benchmarks/fsdp_memory.py). The replicas' own averaging runs once per step in :meth:`finish`
+        either way.
         """
-        yield
+        if self.reduce_each_micro_batch:
+            yield
+            return
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_requires_gradient_sync(True, recurse=False)
 
     def _grad(self, name: str) -> torch.Tensor:
         p = self.params[name]

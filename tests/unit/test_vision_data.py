@@ -209,3 +209,11 @@ def test_imagefolder_missing_or_mismatched_is_a_clear_error(tmp_path):
     (tmp_path / "in" / "val" / "n00").rename(tmp_path / "in" / "val" / "n09")
     with pytest.raises(ConfigError, match=r"different class folders.*only in train: \['n00'\].*only in val: \['n09'\]"):
         _data("imagenet", f"data.root={tmp_path / 'in'}").check()
+
+
+def test_a_shard_smaller_than_one_batch_names_the_batch_size(tmp_path):
+    write_imagefolder(tmp_path / "in")  # 30 training images
+    data = _data("imagenet", f"data.root={tmp_path / 'in'}", "data.image_size=24")
+    with pytest.raises(ConfigError, match=r"train\.batch_size=16: each of the 4 ranks' shards holds 7 of the 30 .*"
+                                          r"train\.batch_size<=7"):
+        data.train_loader(0, 4, 16)

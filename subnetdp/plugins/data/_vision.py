@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from subnetdp.core.contracts import DataConfig, ResumableLoader
+from subnetdp.core.errors import ConfigError
 
 _MASK = (1 << 63) - 1
 
@@ -92,7 +93,11 @@ class ShardedImageLoader(ResumableLoader):
                                           seed=seed, drop_last=True)
         self.batches_per_epoch = len(self.sampler) // batch_size
         if self.batches_per_epoch == 0:
-            raise ValueError(f"a rank's shard holds {len(self.sampler)} samples, fewer than one batch of {batch_size}")
+            # Every rank computes the same shard sizes, so every rank stops here with this message.
+            raise ConfigError("train.batch_size", batch_size,
+                              f"each of the {world_size} ranks' shards holds {len(self.sampler)} of the "
+                              f"{len(dataset)} training samples, fewer than one batch",
+                              f"use train.batch_size<={max(1, len(self.sampler))}, fewer ranks, or more data")
         self.seed, self.rank = seed, rank
         self.epoch, self.batch = 0, 0
 
