@@ -104,7 +104,6 @@ def _clip(model: torch.nn.Module, comm: Communicator, max_norm: float) -> None:
 def _step(model: torch.nn.Module, adapter: ModelAdapter, batch: Any, averager: OwnerGroupAverager,
           optimizer: torch.optim.Optimizer, accum: int, refresher: Any, clip: float,
           comm: Communicator) -> None:
-    averager.prepare()
     for micro in range(accum):
         with averager.no_sync() if micro < accum - 1 else _null():
             loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
@@ -157,8 +156,10 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
         every = max(1, int(getattr(cfg.masker, "refresh_every", 1)))
         if measured > 1:
+            averager.prepare()
             _step(model, adapter, fbatch, averager, optimizer, accum, refresher, clip, comm)
         comm.bytes.reset()
+        averager.prepare()  # as the loop: last step's gradients are dropped before the baseline
         state = training_state_tensors(model, optimizer, averager.state_tensors())
         with TensorMemoryTracker(live_state_bytes(state)) as tracker:
             _step(model, adapter, fbatch, averager, optimizer, accum,
