@@ -271,10 +271,12 @@ class Checkpointer:
         grads = averager.local_grads()
         flags = torch.zeros(world, dtype=torch.float64, device=loss.device)
         if grads:
-            # Max-norms propagate inf and NaN without a gradient-sized temporary, and the whole check
-            # synchronises with the host once.
-            peaks = torch.stack(torch._foreach_norm(grads, float("inf")))
-            flags[self.rank] = (~torch.isfinite(peaks)).any().double()
+            # One fused pass of 2-norms (as torch's clip_grad_norm_): inf and NaN propagate into the
+            # norm, nothing gradient-sized is allocated, and the check synchronises with the host once.
+            # (The max-norm would do the same at ten times the cost on the CPU; a norm that overflows
+            # only for gradients above 1e19 counts as non-finite, as it should.)
+            norms = torch.stack(torch._foreach_norm(grads, 2.0))
+            flags[self.rank] = (~torch.isfinite(norms)).any().double()
         carried = averager.carried()
         if carried is None:
             flags[self.rank] += (~torch.isfinite(loss)).any().double()
