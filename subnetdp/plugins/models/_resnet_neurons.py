@@ -12,11 +12,13 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from subnetdp.core.contracts import DataSpec, ParamMap, Partition, Piece, TensorSlice, Unit
-from subnetdp.core.errors import ConfigError
+from subnetdp.plugins.models._blocks import assemble_partition, measure_module_flops
+from subnetdp.plugins.models._neurons import (ScaleInput, add_pieces, check_units_per_layer, complete_param_map,
+                                              cut_ranges, narrow_parameter, owned_by_group, owned_index,
+                                              rescale_factor)
 
 STAGES = ("layer1", "layer2", "layer3", "layer4")
 
@@ -30,73 +32,43 @@ def hidden_layers(block: nn.Module) -> tuple[str, str, str]:
     raise TypeError(f"not a torchvision ResNet block: {type(block).__name__}")
 
 
-def _module_flops(model: nn.Module, spec: DataSpec) -> dict[str, float]:
-    size = spec.image_size or 32
-    x = torch.zeros(1, spec.in_channels or 3, size, size)
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), counter:
-        model(x)
-    model.train(was_training)
-    return {k.split(".", 1)[1] if "." in k else k: float(sum(v.values())) for k, v in counter.get_flop_counts().items()}
-
-
 def neuron_partition(model: nn.Module, spec: DataSpec, units_per_layer: int) -> Partition:
     """Cut every block's inner channels into ``units_per_layer`` equal ranges (one group per block)."""
-    flops = _module_flops(model, spec)
+    flops = measure_module_flops(model, spec, default_size=32)
     units: list[Unit] = []
-    in_unit: set[str] = set()
     for stage in STAGES:
         for bi, block in enumerate(getattr(model, stage)):
             prefix = f"{stage}.{bi}."
             prod, bn, cons = hidden_layers(block)
             width = getattr(block, prod).out_channels
-            if units_per_layer > width:
-                raise ConfigError("masker.units_per_layer", units_per_layer,
-                                  f"block {prefix[:-1]} has only {width} inner channels",
-                                  f"use masker.units_per_layer <= {width}")
+            check_units_per_layer(units_per_layer, width, f"block {prefix[:-1]} has only {width} inner channels")
             cost = (flops.get(prefix + prod, 0.0) + flops.get(prefix + cons, 0.0)) / units_per_layer
-            for j in range(units_per_layer):
-                a, b = j * width // units_per_layer, (j + 1) * width // units_per_layer
+            for j, (a, b) in enumerate(cut_ranges(width, units_per_layer)):
                 params = (TensorSlice(f"{prefix}{prod}.weight", 0, a, b), TensorSlice(f"{prefix}{bn}.weight", 0, a, b),
                           TensorSlice(f"{prefix}{bn}.bias", 0, a, b), TensorSlice(f"{prefix}{cons}.weight", 1, a, b))
                 buffers = (TensorSlice(f"{prefix}{bn}.running_mean", 0, a, b),
                            TensorSlice(f"{prefix}{bn}.running_var", 0, a, b))
-                in_unit.update(s.name for s in params + buffers)
                 units.append(Unit(len(units), f"{prefix}n{j}", prefix[:-1], cost, params, buffers))
-    shapes, dtypes = Partition.tensor_info(model)
-    shared = [n for n, _ in model.named_parameters() if n not in in_unit]
-    shared_buffers = [n for n, _ in model.named_buffers() if n not in in_unit]
-    return Partition("neuron", units, shared, shared_buffers, shapes, dtypes)
+    return assemble_partition(model, "neuron", units)
 
 
-class ScaleInput:
-    """Forward pre-hook: multiply a layer's input by ``scale`` in training (``K/n`` rescaling)."""
-
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
-        if module.training and self.scale != 1.0:
-            return (args[0] * self.scale,) + tuple(args[1:])
-        return None
-
-
-def _narrow_param(t: torch.Tensor, dim: int, idx: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.detach().index_select(dim, idx).clone(), requires_grad=t.requires_grad)
+def _narrow_batchnorm(bn: nn.BatchNorm2d, idx: torch.Tensor) -> nn.BatchNorm2d:
+    """A new BatchNorm over channels ``idx`` of ``bn`` (affine parameters and running statistics)."""
+    narrow = nn.BatchNorm2d(int(idx.numel()), eps=bn.eps, momentum=bn.momentum)
+    with torch.no_grad():
+        narrow.weight.copy_(bn.weight[idx])
+        narrow.bias.copy_(bn.bias[idx])
+        narrow.running_mean.copy_(bn.running_mean[idx])
+        narrow.running_var.copy_(bn.running_var[idx])
+        narrow.num_batches_tracked.copy_(bn.num_batches_tracked)
+    return narrow
 
 
 def materialize_neurons(model: nn.Module, owned: Sequence[int], partition: Partition,
                         rescale: bool) -> tuple[nn.Module, ParamMap]:
     """Narrow every block to its owned channel ranges; returns the model and its :class:`ParamMap`."""
-    mine = sorted(set(owned))
-    by_group: dict[str, list[Unit]] = {}
-    for u in partition.units:
-        by_group.setdefault(u.group, [])
-    for uid in mine:
-        by_group[partition.units[uid].group].append(partition.units[uid])
     groups = partition.groups()
+    by_group = owned_by_group(partition, owned)
     pieces: dict[str, list[Piece]] = {}
     unit_of: dict[str, int | None] = {}
     for stage in STAGES:
@@ -105,37 +77,15 @@ def materialize_neurons(model: nn.Module, owned: Sequence[int], partition: Parti
             kept = by_group[group]
             prod_name, bn_name, cons_name = hidden_layers(block)
             prod, bn, cons = (getattr(block, n) for n in (prod_name, bn_name, cons_name))
-            ranges = [(u.slices[0].start, u.slices[0].stop) for u in kept]
-            idx = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+            idx = owned_index(kept)
             n = int(idx.numel())
-            prod.weight = _narrow_param(prod.weight, 0, idx)
+            prod.weight = narrow_parameter(prod.weight, 0, idx)
             prod.out_channels = n
-            narrow_bn = nn.BatchNorm2d(n, eps=bn.eps, momentum=bn.momentum)
-            with torch.no_grad():
-                narrow_bn.weight.copy_(bn.weight[idx])
-                narrow_bn.bias.copy_(bn.bias[idx])
-                narrow_bn.running_mean.copy_(bn.running_mean[idx])
-                narrow_bn.running_var.copy_(bn.running_var[idx])
-                narrow_bn.num_batches_tracked.copy_(bn.num_batches_tracked)
-            setattr(block, bn_name, narrow_bn)
-            cons.weight = _narrow_param(cons.weight, 1, idx)
+            setattr(block, bn_name, _narrow_batchnorm(bn, idx))
+            cons.weight = narrow_parameter(cons.weight, 1, idx)
             cons.in_channels = n
-            scale = len(groups[group]) / max(1, len(kept)) if rescale else 1.0
+            scale = rescale_factor(len(groups[group]), len(kept), rescale)
             block.hidden_scale = scale
             cons.register_forward_pre_hook(ScaleInput(scale))
-            for u in kept:
-                for s in u.slices + u.buffers:
-                    local = pieces.setdefault(s.name, [])
-                    off = local[-1].local_stop if local else 0
-                    local.append(Piece(s.name, s.dim, s.start, s.stop, off, off + s.stop - s.start))
-                    unit_of[s.name] = u.id if len(local) == 1 else None
-    for u in partition.units:  # a tensor of which this rank owns no piece holds nothing global
-        for s in u.slices + u.buffers:
-            pieces.setdefault(s.name, [])
-            unit_of.setdefault(s.name, None)
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    for name in names:
-        if name not in pieces:
-            pieces[name] = [Piece(name)]
-            unit_of[name] = None
-    return model, ParamMap(pieces, unit_of)
+            add_pieces(pieces, unit_of, kept)
+    return model, complete_param_map(model, partition, pieces, unit_of)

@@ -20,11 +20,11 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from subnetdp.core.contracts import DataSpec, ParamMap, Partition, Piece, TensorSlice, Unit
-from subnetdp.core.errors import ConfigError
-from subnetdp.plugins.models._resnet_neurons import ScaleInput
+from subnetdp.plugins.models._blocks import assemble_partition, measure_module_flops
+from subnetdp.plugins.models._neurons import (ScaleInput, add_pieces, check_units_per_layer, complete_param_map,
+                                              cut_ranges, owned_by_group, owned_index, rescale_factor)
 
 
 def mlp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -33,41 +33,20 @@ def mlp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             for bi, block in enumerate(model.features[si])]
 
 
-def _module_flops(model: nn.Module, spec: DataSpec) -> dict[str, float]:
-    size = spec.image_size or 224
-    x = torch.zeros(1, spec.in_channels or 3, size, size)
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), counter:
-        model(x)
-    model.train(was_training)
-    return {k.split(".", 1)[1] if "." in k else k: float(sum(v.values())) for k, v in counter.get_flop_counts().items()}
-
-
 def neuron_partition(model: nn.Module, spec: DataSpec, units_per_layer: int) -> Partition:
     """Cut every block's MLP hidden dimension into ``units_per_layer`` equal ranges (one group per block)."""
-    flops = _module_flops(model, spec)
+    flops = measure_module_flops(model, spec, default_size=224)
     units: list[Unit] = []
-    in_unit: set[str] = set()
     for name, block in mlp_blocks(model):
         mlp = f"{name}.mlp"
         width = block.mlp[0].out_features
-        if units_per_layer > width:
-            raise ConfigError("masker.units_per_layer", units_per_layer,
-                              f"block {name} has only {width} MLP hidden neurons",
-                              f"use masker.units_per_layer <= {width}")
+        check_units_per_layer(units_per_layer, width, f"block {name} has only {width} MLP hidden neurons")
         cost = (flops.get(f"{mlp}.0", 0.0) + flops.get(f"{mlp}.3", 0.0)) / units_per_layer
-        for j in range(units_per_layer):
-            a, b = j * width // units_per_layer, (j + 1) * width // units_per_layer
+        for j, (a, b) in enumerate(cut_ranges(width, units_per_layer)):
             params = (TensorSlice(f"{mlp}.0.weight", 0, a, b), TensorSlice(f"{mlp}.0.bias", 0, a, b),
                       TensorSlice(f"{mlp}.3.weight", 1, a, b))
-            in_unit.update(s.name for s in params)
             units.append(Unit(len(units), f"{mlp}.n{j}", mlp, cost, params, ()))
-    shapes, dtypes = Partition.tensor_info(model)
-    shared = [n for n, _ in model.named_parameters() if n not in in_unit]
-    shared_buffers = [n for n, _ in model.named_buffers()]
-    return Partition("neuron", units, shared, shared_buffers, shapes, dtypes)
+    return assemble_partition(model, "neuron", units)
 
 
 def _narrow_linear(layer: nn.Linear, dim: int, idx: torch.Tensor) -> nn.Linear:
@@ -90,34 +69,17 @@ def materialize_neurons(model: nn.Module, owned: Sequence[int], partition: Parti
                         rescale: bool) -> tuple[nn.Module, ParamMap]:
     """Narrow every block's MLP to its owned hidden ranges; returns the model and its :class:`ParamMap`."""
     groups = partition.groups()
-    kept_by_group: dict[str, list[Unit]] = {g: [] for g in groups}
-    for uid in sorted(set(owned)):
-        kept_by_group[partition.units[uid].group].append(partition.units[uid])
+    kept_by_group = owned_by_group(partition, owned)
     pieces: dict[str, list[Piece]] = {}
     unit_of: dict[str, int | None] = {}
     for name, block in mlp_blocks(model):
         group = f"{name}.mlp"
         kept = kept_by_group[group]
-        ranges = [(u.slices[0].start, u.slices[0].stop) for u in kept]
-        idx = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+        idx = owned_index(kept)
         block.mlp[0] = _narrow_linear(block.mlp[0], 0, idx)
         block.mlp[3] = _narrow_linear(block.mlp[3], 1, idx)
-        scale = len(groups[group]) / max(1, len(kept)) if rescale else 1.0
+        scale = rescale_factor(len(groups[group]), len(kept), rescale)
         block.hidden_scale = scale
         block.mlp[3].register_forward_pre_hook(ScaleInput(scale))
-        for u in kept:
-            for s in u.slices:
-                local = pieces.setdefault(s.name, [])
-                off = local[-1].local_stop if local else 0
-                local.append(Piece(s.name, s.dim, s.start, s.stop, off, off + s.stop - s.start))
-                unit_of[s.name] = u.id if len(local) == 1 else None
-    for u in partition.units:  # a tensor of which this rank owns no piece holds nothing global
-        for s in u.slices:
-            pieces.setdefault(s.name, [])
-            unit_of.setdefault(s.name, None)
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    for n in names:
-        if n not in pieces:
-            pieces[n] = [Piece(n)]
-            unit_of[n] = None
-    return model, ParamMap(pieces, unit_of)
+        add_pieces(pieces, unit_of, kept)
+    return model, complete_param_map(model, partition, pieces, unit_of)

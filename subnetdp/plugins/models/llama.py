@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition, TensorSlice, Unit
+from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.models._blocks import assemble_partition, identity_param_map, make_block_unit
 from subnetdp.plugins.models._llama_neurons import materialize_neurons, neuron_partition
 
 DEFAULT_VOCAB = 32_000
@@ -238,14 +239,9 @@ class LlamaAdapter(ModelAdapter):
         if granularity != "block":
             raise ConfigError("masker.granularity", granularity, "the llama adapter supports: block, neuron")
         cost = self._block_cost(model, spec)
-        units, in_unit = [], set()
-        for key, block in model.layers.items():
-            params = tuple(TensorSlice(f"layers.{key}.{n}") for n, _ in block.named_parameters())
-            in_unit.update(s.name for s in params)
-            units.append(Unit(len(units), f"layers.{key}", "layers", cost, params))
-        shapes, dtypes = Partition.tensor_info(model)
-        shared = [n for n, _ in model.named_parameters() if n not in in_unit]
-        return Partition("block", units, shared, [n for n, _ in model.named_buffers()], shapes, dtypes)
+        units = [make_block_unit(i, f"layers.{key}", "layers", cost, block)
+                 for i, (key, block) in enumerate(model.layers.items())]
+        return assemble_partition(model, "block", units)
 
     @staticmethod
     def _block_cost(model: Llama, spec: DataSpec) -> float:
@@ -273,9 +269,7 @@ class LlamaAdapter(ModelAdapter):
         for key in list(model.layers.keys()):
             if f"layers.{key}" not in keep:
                 del model.layers[key]  # a dropped block is the identity: nothing of it is kept
-        unit_of = {s.name: u.id for u in partition.units for s in u.slices}
-        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-        return model, ParamMap.identity(names, unit_of)
+        return model, identity_param_map(model, partition)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
         return list(submodel.layers.values())

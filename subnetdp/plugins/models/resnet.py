@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from subnetdp.core.contracts import (DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition,
-                                     TensorSlice, Unit)
+from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
+                                             make_block_unit, measure_module_flops)
 from subnetdp.plugins.models._resnet_neurons import STAGES, materialize_neurons, neuron_partition
 
 VARIANTS = ("resnet18", "resnet34", "resnet50")
@@ -70,6 +70,11 @@ def build_reference(variant: str, num_classes: int, in_channels: int = 3, cifar_
     return model
 
 
+def named_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(name, stage, block)`` of every residual block, in forward order (``layer1.0``, ...)."""
+    return [(f"{stage}.{bi}", stage, block) for stage in STAGES for bi, block in enumerate(getattr(model, stage))]
+
+
 class ResNetAdapter(ModelAdapter):
     """torchvision ResNets with block-level units (residual branches)."""
 
@@ -102,41 +107,17 @@ class ResNetAdapter(ModelAdapter):
         if granularity != "block":
             raise ConfigError("masker.granularity", granularity, "the resnet adapter supports: block, neuron")
         costs = self._block_costs(model, spec)
-        units: list[Unit] = []
-        in_unit: set[str] = set()
-        for stage in STAGES:
-            for bi, block in enumerate(getattr(model, stage)):
-                prefix = f"{stage}.{bi}."
-                params = tuple(TensorSlice(prefix + n) for n, _ in block.named_parameters()
-                               if not n.startswith("downsample."))
-                buffers = tuple(TensorSlice(prefix + n) for n, _ in block.named_buffers()
-                                if not n.startswith("downsample."))
-                in_unit.update(s.name for s in params + buffers)
-                units.append(Unit(len(units), f"{stage}.{bi}", stage, costs[f"{stage}.{bi}"], params, buffers))
-        shapes, dtypes = Partition.tensor_info(model)
-        shared = [n for n, _ in model.named_parameters() if n not in in_unit]
-        shared_buffers = [n for n, _ in model.named_buffers() if n not in in_unit]
-        return Partition("block", units, shared, shared_buffers, shapes, dtypes)
+        units = [make_block_unit(i, name, stage, costs[name], block, skip="downsample")
+                 for i, (name, stage, block) in enumerate(named_blocks(model))]
+        return assemble_partition(model, "block", units)
 
     @staticmethod
     def _block_costs(model: nn.Module, spec: DataSpec) -> dict[str, float]:
-        """Forward FLOPs per sample of each residual branch, measured with FlopCounterMode."""
-        size = spec.image_size or 32
-        x = torch.zeros(1, spec.in_channels or 3, size, size)
-        counter = FlopCounterMode(display=False)
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), counter:
-            model(x)
-        model.train(was_training)
-        counts = {k.split(".", 1)[1] if "." in k else k: sum(v.values())
-                  for k, v in counter.get_flop_counts().items()}
-        out = {}
-        for stage in STAGES:
-            for bi, _ in enumerate(getattr(model, stage)):
-                name = f"{stage}.{bi}"
-                out[name] = float(counts.get(name, 0) - counts.get(f"{name}.downsample", 0))
-        return out
+        """Forward FLOPs per sample of each residual branch (the block less its shortcut), measured
+        with FlopCounterMode."""
+        flops = measure_module_flops(model, spec, default_size=32)
+        return {name: flops.get(name, 0.0) - flops.get(f"{name}.downsample", 0.0)
+                for name, _, _ in named_blocks(model)}
 
     def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
                     rescale: bool = False) -> tuple[nn.Module, ParamMap]:
@@ -152,12 +133,7 @@ class ResNetAdapter(ModelAdapter):
                 elif block.downsample is not None:
                     kept[str(bi)] = DroppedBlock(block.downsample)
             setattr(model, stage, nn.Sequential(kept))
-        unit_of: dict[str, int | None] = {}
-        for u in partition.units:
-            for s in u.slices + u.buffers:
-                unit_of[s.name] = u.id
-        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-        return model, ParamMap.identity(names, unit_of)
+        return model, identity_param_map(model, partition)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
         return [b for stage in STAGES for b in getattr(submodel, stage)
@@ -167,10 +143,7 @@ class ResNetAdapter(ModelAdapter):
         return F.cross_entropy(output, batch[1])
 
     def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
-        logits = torch.cat(list(outputs))
-        labels = torch.cat([b[1] for b in batches])
-        return {"accuracy": float((logits.argmax(1) == labels).float().mean()),
-                "loss": float(F.cross_entropy(logits, labels))}
+        return classification_metrics(outputs, batches)
 
 
 @hookimpl

@@ -30,13 +30,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 
-from subnetdp.core.contracts import (DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition,
-                                     TensorSlice, Unit)
+from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
+                                             make_block_unit, measure_module_flops)
 from subnetdp.plugins.models._swin_neurons import materialize_neurons, neuron_partition
 
 # torchvision's swin_t / swin_s / swin_b, plus a small configuration for 32x32 inputs.
@@ -106,6 +106,12 @@ def stage_indices(model: SwinTransformer) -> list[int]:
     return list(range(1, len(model.features), 2))
 
 
+def named_blocks(model: SwinTransformer) -> list[tuple[str, str, nn.Module]]:
+    """``(name, stage, block)`` of every Swin block, in forward order (``features.1.0``, ...)."""
+    return [(f"features.{si}.{bi}", f"features.{si}", block) for si in stage_indices(model)
+            for bi, block in enumerate(model.features[si])]
+
+
 class SwinAdapter(ModelAdapter):
     """torchvision Swin Transformers: block-level units (one group per stage) or MLP hidden ranges."""
 
@@ -152,35 +158,15 @@ class SwinAdapter(ModelAdapter):
         if granularity != "block":
             raise ConfigError("masker.granularity", granularity, "the swin adapter supports: block, neuron")
         costs = self._block_costs(model, spec)
-        units: list[Unit] = []
-        in_unit: set[str] = set()
-        for si in stage_indices(model):
-            for bi, block in enumerate(model.features[si]):
-                name = f"features.{si}.{bi}"
-                params = tuple(TensorSlice(f"{name}.{n}") for n, _ in block.named_parameters())
-                buffers = tuple(TensorSlice(f"{name}.{n}") for n, _ in block.named_buffers())
-                in_unit.update(s.name for s in params + buffers)
-                units.append(Unit(len(units), name, f"features.{si}", costs[name], params, buffers))
-        shapes, dtypes = Partition.tensor_info(model)
-        shared = [n for n, _ in model.named_parameters() if n not in in_unit]
-        shared_buffers = [n for n, _ in model.named_buffers() if n not in in_unit]
-        return Partition("block", units, shared, shared_buffers, shapes, dtypes)
+        units = [make_block_unit(i, name, group, costs[name], block)
+                 for i, (name, group, block) in enumerate(named_blocks(model))]
+        return assemble_partition(model, "block", units)
 
     @staticmethod
     def _block_costs(model: nn.Module, spec: DataSpec) -> dict[str, float]:
         """Forward FLOPs per sample of each Swin block, measured with FlopCounterMode."""
-        size = spec.image_size or 224
-        x = torch.zeros(1, spec.in_channels or 3, size, size)
-        counter = FlopCounterMode(display=False)
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), counter:
-            model(x)
-        model.train(was_training)
-        counts = {k.split(".", 1)[1] if "." in k else k: sum(v.values())
-                  for k, v in counter.get_flop_counts().items()}
-        return {f"features.{si}.{bi}": float(counts.get(f"features.{si}.{bi}", 0))
-                for si in stage_indices(model) for bi in range(len(model.features[si]))}
+        flops = measure_module_flops(model, spec, default_size=224)
+        return {name: flops.get(name, 0.0) for name, _, _ in named_blocks(model)}
 
     def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
                     rescale: bool = False) -> tuple[nn.Module, ParamMap]:
@@ -192,12 +178,7 @@ class SwinAdapter(ModelAdapter):
             kept = OrderedDict((str(bi), block) for bi, block in enumerate(model.features[si])
                                if f"features.{si}.{bi}" in keep)
             model.features[si] = nn.Sequential(kept)
-        unit_of: dict[str, int | None] = {}
-        for u in partition.units:
-            for s in u.slices + u.buffers:
-                unit_of[s.name] = u.id
-        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-        return model, ParamMap.identity(names, unit_of)
+        return model, identity_param_map(model, partition)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
         return [b for si in stage_indices(submodel) for b in submodel.features[si]
@@ -207,10 +188,7 @@ class SwinAdapter(ModelAdapter):
         return F.cross_entropy(output, batch[1])
 
     def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
-        logits = torch.cat(list(outputs))
-        labels = torch.cat([b[1] for b in batches])
-        return {"accuracy": float((logits.argmax(1) == labels).float().mean()),
-                "loss": float(F.cross_entropy(logits, labels))}
+        return classification_metrics(outputs, batches)
 
 
 @hookimpl

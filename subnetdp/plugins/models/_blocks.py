@@ -1,0 +1,98 @@
+"""Pieces the model adapters share: FLOP counts, block units, partition assembly, identity maps,
+classification metrics.
+
+A block-level unit is one module taken whole: every parameter and buffer under it (optionally
+less those under a skipped child, such as a ResNet block's shortcut) is a full-tensor
+:class:`TensorSlice`. Whatever no unit holds is shared. A block-level subnetwork keeps the owned
+modules under their original names, so its :class:`ParamMap` is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from subnetdp.core.contracts import DataSpec, ParamMap, Partition, TensorSlice, Unit
+
+
+def measure_module_flops(model: nn.Module, spec: DataSpec, default_size: int) -> dict[str, float]:
+    """Forward FLOPs per sample of every module, from one eval-mode forward of a zero image.
+
+    Args:
+        model: an image model taking ``(N, C, H, W)``; its training flag is restored afterwards.
+        spec: the data; ``image_size`` and ``in_channels`` size the input (``default_size`` and 3
+            when unset).
+        default_size: the image side when ``spec.image_size`` is 0.
+
+    Returns:
+        module name (as in ``model.named_modules()``) -> FLOPs; the root appears under its class name.
+    """
+    size = spec.image_size or default_size
+    x = torch.zeros(1, spec.in_channels or 3, size, size)
+    counter = FlopCounterMode(display=False)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), counter:
+        model(x)
+    model.train(was_training)
+    # FlopCounterMode prefixes every name with the root's class name: strip it.
+    return {k.split(".", 1)[1] if "." in k else k: float(sum(v.values()))
+            for k, v in counter.get_flop_counts().items()}
+
+
+def make_block_unit(uid: int, name: str, group: str, cost: float, block: nn.Module,
+                    skip: str | None = None) -> Unit:
+    """A unit holding every parameter and buffer of ``block`` whole, under global prefix ``name``.
+
+    Args:
+        uid: the unit's id (its position in the partition).
+        name: the block's global module name, e.g. ``layer2.1``.
+        group: the group the masker draws from in equal measure.
+        cost: forward FLOPs per sample of the unit.
+        block: the module.
+        skip: a child of ``block`` whose tensors stay out of the unit (shared), e.g. ``downsample``.
+    """
+    def kept(n: str) -> bool:
+        return skip is None or not n.startswith(skip + ".")
+
+    params = tuple(TensorSlice(f"{name}.{n}") for n, _ in block.named_parameters() if kept(n))
+    buffers = tuple(TensorSlice(f"{name}.{n}") for n, _ in block.named_buffers() if kept(n))
+    return Unit(uid, name, group, cost, params, buffers)
+
+
+def assemble_partition(model: nn.Module, granularity: str, units: list[Unit]) -> Partition:
+    """The :class:`Partition` of ``model`` into ``units``; every tensor no unit names is shared."""
+    in_unit = {s.name for u in units for s in u.slices + u.buffers}
+    shapes, dtypes = Partition.tensor_info(model)
+    shared = [n for n, _ in model.named_parameters() if n not in in_unit]
+    shared_buffers = [n for n, _ in model.named_buffers() if n not in in_unit]
+    return Partition(granularity, units, shared, shared_buffers, shapes, dtypes)
+
+
+def tensor_names(model: nn.Module) -> list[str]:
+    """Names of every parameter, then every buffer, of ``model``."""
+    return [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+
+
+def identity_param_map(model: nn.Module, partition: Partition) -> ParamMap:
+    """The map of a block-level subnetwork: local names are global names, whole tensors each.
+
+    Args:
+        model: the subnetwork (owned blocks under their original names).
+        partition: the full model's partition; a tensor of a unit maps to that unit, others to None.
+    """
+    unit_of: dict[str, int | None] = {s.name: u.id for u in partition.units for s in u.slices + u.buffers}
+    return ParamMap.identity(tensor_names(model), unit_of)
+
+
+
+def classification_metrics(outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
+    """Accuracy and mean cross entropy of logits ``outputs`` against labels ``batch[1]``."""
+    logits = torch.cat(list(outputs))
+    labels = torch.cat([b[1] for b in batches])
+    return {"accuracy": float((logits.argmax(1) == labels).float().mean()),
+            "loss": float(F.cross_entropy(logits, labels))}
