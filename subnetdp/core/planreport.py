@@ -26,13 +26,12 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
                    "owner_sets": len(plan.owner_sets()), "max_groups": int(cfg.sync.max_groups),
                    "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units)})
     shard = int(cfg.fsdp.shard_size)
+    estimator = estimate_rank
     if shard > 1:
         report["fsdp_shard_size"] = shard
-        if estimate:
-            # The dry run below models the unsharded synchroniser; FSDP's sharded step is not modelled.
-            report["estimate_skipped"] = (f"fsdp.shard_size={shard}: the dry run does not model FSDP's sharded step; "
-                                          "benchmarks/fsdp_memory.py measures it under FakeTensorMode")
-            estimate = False
+        from subnetdp.parallel.dryrun import estimate_sharded_rank  # FSDP2 over torch's fake process group
+
+        estimator = estimate_sharded_rank
     ranks = []
     cache: dict[tuple[int, ...], dict[str, Any]] = {}
     batch = next(iter(data.train_loader(0, world_size, int(cfg.train.batch_size)))) if estimate else None
@@ -42,10 +41,12 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
         if estimate:
             key = tuple(plan.owned[r])
             # Ranks that own the same units in the same owner sets have the same step.
-            sig = key + tuple(len(plan.owners(u)) for u in key)
-            if sig not in cache:
-                cache[sig] = estimate_rank(cfg, adapter, spec, partition, plan, r, batch)
+            sig = key + tuple(len(plan.owners(u)) for u in key) + ((r % shard,) if shard > 1 else ())
+            if sig not in cache:  # with FSDP, shard indices can hold slightly different shard sizes
+                cache[sig] = estimator(cfg, adapter, spec, partition, plan, r, batch)
             row.update(cache[sig])
+            if shard > 1:
+                row["params_per_rank"] = row["params_held"]  # this rank's shards
         ranks.append(row)
     report["ranks"] = ranks
     return report
@@ -89,9 +90,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(line)
     if "fsdp_shard_size" in report:
         lines.append(f"fsdp.shard_size={report['fsdp_shard_size']}: ranks r*S..r*S+S-1 form replica r and shard "
-                     "its subnetwork (each rank stores about 1/S of the params shown); the plan above is the replicas' plan, repeated for each shard")
-    if "estimate_skipped" in report:
-        lines.append("no memory estimate: " + report["estimate_skipped"])
+                     "its subnetwork with FSDP2 (estimated params and memory: this rank's shards); the plan above is the replicas' plan, repeated for each shard")
     if est:
         lines.append("peak memory: tensors of one training step (dry run under FakeTensorMode); "
                      "communication libraries' own buffers are not included")

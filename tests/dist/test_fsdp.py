@@ -18,6 +18,7 @@ import torch
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.loop import _train, set_threads, setup
 from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.core.planreport import plan_report
 from subnetdp.core.sync import OwnerGroupAverager
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
@@ -91,6 +92,14 @@ def test_fsdp_one_replica_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_p
             # Resuming from the sharded step-2 checkpoint reproduces the uninterrupted run exactly.
             assert torch.equal(res["resumed"][name], res["fsdp"][name]), name
     assert results[0]["summary"]["ranks"][0]["params_sha256"] == results[1]["summary"]["ranks"][1]["params_sha256"]
+    # `subnetdp plan` dry-runs the sharded step (FSDP2 over torch's fake process group): it estimates
+    # what the loop measured, and the bytes FSDP moves.
+    report = plan_report(_config("file:///unused", str(cache), "fsdp.shard_size=2", "masker.coverage=1"), 2,
+                         plugin_manager())
+    for r, res in enumerate(results):
+        est, measured = report["ranks"][r], res["summary"]["ranks"][r]
+        assert abs(est["peak_memory_bytes"] / measured["peak_memory_bytes"] - 1) < 0.05, (est, measured)
+        assert est["fsdp_bytes_per_step"] == measured["fsdp_bytes_per_step"]
     # bf16 through FSDP's MixedPrecisionPolicy: fp32 sharded parameters, bf16 compute, fp32 reduction.
     bf16 = results[0]["bf16"]
     assert results[0]["bf16_summary"]["ranks"][0]["precision"] == "bf16"

@@ -61,7 +61,16 @@ def test_plan_command_with_clipping_and_fsdp(capsys):
                      "data.seq_len=32", "data.stdlib_max_mb=0.5", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["coverage"] == 0.5 and all(r["peak_memory_bytes"] > 0 for r in report["ranks"])
-    # With FSDP the plan is the replicas' plan repeated per shard, and the estimate says why it is absent.
-    assert cli.main(["plan", "llama_tiny_stdlib", "fsdp.shard_size=2", "-n", "4", "data.stdlib_max_mb=0.5"]) == 0
-    text = capsys.readouterr().out
-    assert "fsdp.shard_size=2: ranks r*S..r*S+S-1 form replica r" in text and "no memory estimate" in text
+    # With FSDP the plan is the replicas' plan repeated per shard, and each rank's step is a dry run of
+    # the real FSDP2 over torch's fake process group: the rank holds half of its replica's parameters.
+    args = ["plan", "llama_tiny_stdlib", "-n", "4", "data.stdlib_max_mb=0.5", "train.batch_size=2", "data.seq_len=32"]
+    assert cli.main(args + ["fsdp.shard_size=2"]) == 0
+    assert "fsdp.shard_size=2: ranks r*S..r*S+S-1 form replica r" in capsys.readouterr().out
+    assert cli.main(args + ["fsdp.shard_size=2", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert sharded["owned"][0] == sharded["owned"][1] and sharded["owned"][2] == sharded["owned"][3]
+    for s, p in zip(sharded["ranks"], plain["ranks"]):  # every rank holds 2 of the 4 blocks in both plans
+        assert abs(s["params_held"] / p["params_held"] - 0.5) < 0.01, (s["params_held"], p["params_held"])
+        assert 0 < s["peak_memory_bytes"] < p["peak_memory_bytes"] and s["fsdp_bytes_per_step"]["reduce_scatter"] > 0
