@@ -61,14 +61,13 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_memory  # noqa: E402  (benchmarks/ is not a package)
 
 from subnetdp.core.config import compose  # noqa: E402
-from subnetdp.core.contracts import DataSpec, LaunchEnv  # noqa: E402
+from subnetdp.core.contracts import DataSpec  # noqa: E402
 from subnetdp.core.errors import PlanError  # noqa: E402
 from subnetdp.core.metrics import live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.core.optim import build_optimizer  # noqa: E402
@@ -78,7 +77,7 @@ from subnetdp.core.sync import OwnerGroupAverager  # noqa: E402
 from subnetdp.parallel.fsdp import ShardedMemoryTracker as ShardTracker  # noqa: E402
 from subnetdp.parallel.checkpointing import apply_ac  # noqa: E402
 from subnetdp.parallel.fsdp import CollectiveBytes, ShardedOwnerAverager, apply_fsdp, mixed_precision  # noqa: E402
-from subnetdp.plugins.comm.gloo import TorchDistCommunicator  # noqa: E402
+from subnetdp.parallel.dryrun import FakeGroupCommunicator as FakeCommunicator  # noqa: E402
 
 RESULTS, GiB, MiB = llama_memory.RESULTS, llama_memory.GiB, 2**20
 WORLD = 8
@@ -139,21 +138,6 @@ class C10dOps(TorchDispatchMode):
 
     def payload(self) -> int:
         return sum(r["payload_bytes"] for r in self.ops.values())
-
-
-class FakeCommunicator(TorchDistCommunicator):
-    """subnetdp's ``torch.distributed`` communicator over the fake process group (rank 0 of 8)."""
-
-    backend = "fake"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def init(self) -> None:
-        if not dist.is_initialized():
-            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
-        self._groups[self.world] = dist.group.WORLD
 
 
 def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicator, precision: str,
@@ -305,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or RESULTS / ("fsdp_memory.json" if args.precision == "fp32" else "fsdp_memory_bf16.json")
     torch.set_num_threads(1)
     pm = PluginManager()
-    comm = FakeCommunicator(compose("llama_1b_fineweb", [], pm.registries).comm, LaunchEnv(0, WORLD))
+    comm = FakeCommunicator(0, WORLD)  # subnetdp's dry-run communicator over torch's fake process group
     comm.init()
     # Device meshes are made outside FakeTensorMode (DeviceMesh reads its rank layout with .tolist()).
     meshes = {(s.replicas, s.shard): init_device_mesh("cpu", (s.replicas, s.shard), mesh_dim_names=("replica", "shard"))

@@ -53,7 +53,8 @@ class FakeGroupCommunicator(Communicator):
     def init(self) -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        if not dist.is_initialized():
+            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
         self._groups[self.world] = dist.group.WORLD
 
     def new_group(self, ranks: Sequence[int]) -> None:
