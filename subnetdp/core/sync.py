@@ -372,12 +372,7 @@ class OwnerGroupAverager:
                 local += torch.linalg.vector_norm(g).double() ** 2 / (k if collective else 1)
         if not collective:
             return math.sqrt(float(local))
-        both = torch.cat([local.view(1), flags.to(local)]) if flags is not None else local.view(1)
-        # collective: every rank reaches this, once per step where the norm is needed.
-        self.comm.all_reduce(both, self.world).wait()
-        if flags is not None:
-            flags.copy_(both[1:])
-        return math.sqrt(float(both[0]))
+        return world_norm(self.comm, local, flags)  # collective: every rank, once per step that needs it
 
     def scale_grads_(self, coef: float) -> None:
         for p in self.params.values():
@@ -413,3 +408,15 @@ def clip_to(averager: "OwnerGroupAverager", norm: float, max_norm: float) -> Non
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             averager.scale_grads_(coef)
+
+
+def world_norm(comm: Communicator, local_squares: torch.Tensor, flags: torch.Tensor | None = None) -> float:
+    """``sqrt`` of the world's sum of ``local_squares`` (float64 scalar); ``flags`` ride along, summed in place.
+
+    Collective: every rank of the world calls it.
+    """
+    both = torch.cat([local_squares.view(1), flags.to(local_squares)]) if flags is not None else local_squares.view(1)
+    comm.all_reduce(both, tuple(range(comm.world_size))).wait()
+    if flags is not None:
+        flags.copy_(both[1:])
+    return math.sqrt(float(both[0]))

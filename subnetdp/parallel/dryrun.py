@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from subnetdp.core.contracts import Communicator, DataSpec, Handle, LaunchEnv, ModelAdapter, Partition
-from subnetdp.core.dryrun import fake_module
+from subnetdp.core.contracts import DataSpec, Handle, ModelAdapter, Partition
+from subnetdp.core.dryrun import DryRunCommunicator, fake_module
 from subnetdp.core.metrics import live_state_bytes, training_state_tensors
 from subnetdp.core.optim import build_optimizer
 from subnetdp.core.plan import MaskPlan
@@ -39,16 +39,16 @@ class _Work:
             self.work.wait()
 
 
-class FakeGroupCommunicator(Communicator):
-    """Rank ``rank`` of ``world_size`` over torch's fake process group: collectives count bytes only."""
+class FakeGroupCommunicator(DryRunCommunicator):
+    """Rank ``rank`` of ``world_size`` over torch's fake process group: real groups, no traffic.
+
+    FSDP2 and device meshes need ``torch.distributed`` groups; their collectives return at once.
+    The communicator's own all-reduces still count their payload.
+    """
 
     def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(None, LaunchEnv(rank, world_size, rank, world_size, "dry-run"))
+        super().__init__(rank, world_size)
         self._groups: dict[tuple[int, ...], Any] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
 
     def init(self) -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -66,15 +66,6 @@ class FakeGroupCommunicator(Communicator):
         key = tuple(group)
         self.bytes.add(key, tensor.numel() * tensor.element_size())
         return _Work(dist.all_reduce(tensor, group=self._groups[key], async_op=async_op))
-
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
-        return None
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj] * self.world_size
-
-    def barrier(self) -> None:
-        return None
 
     def shutdown(self) -> None:
         if dist.is_initialized():

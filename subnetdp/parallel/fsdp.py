@@ -15,7 +15,6 @@ block's forward would hang the others' all-gather). Sharding only within a repli
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -31,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
 from subnetdp.core.metrics import TensorMemoryTracker
 from subnetdp.core.plan import MaskPlan
+from subnetdp.core.sync import clip_to, world_norm
 
 
 def replica_mesh(comm: Communicator, shard_size: int) -> DeviceMesh:
@@ -366,12 +366,7 @@ class ShardedOwnerAverager:
         for name, p in self.params.items():
             if p.grad is not None:
                 total += torch.linalg.vector_norm(local(p.grad)).double() ** 2 / self.k[name]
-        both = torch.cat([total.view(1), flags.to(total)]) if flags is not None else total.view(1)
-        # collective: every rank reaches this, once per step where the norm is needed.
-        self.comm.all_reduce(both, self.world).wait()
-        if flags is not None:
-            flags.copy_(both[1:])
-        return math.sqrt(float(both[0]))
+        return world_norm(self.comm, total, flags)  # collective: every rank, once per step that needs it
 
     def scale_grads_(self, coef: float) -> None:
         for p in self.params.values():
@@ -379,8 +374,6 @@ class ShardedOwnerAverager:
                 local(p.grad).mul_(coef)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        from subnetdp.core.sync import clip_to
-
         norm = self.grad_norm()
         clip_to(self, norm, max_norm)
         return norm
