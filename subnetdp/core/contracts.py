@@ -343,6 +343,13 @@ class Communicator(Plugin, abc.ABC):
     def check_environment(self) -> None:
         """Raise :class:`ConfigError` if this backend cannot run here (called before ``init``)."""
 
+    @classmethod
+    def check_world_size(cls, world_size: int) -> None:
+        """Raise :class:`ConfigError` if this backend cannot run ``world_size`` ranks.
+
+        Called before any worker is started (``subnetdp train`` with ``launch.nproc``, ``subnetdp launch``).
+        """
+
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> None:
         """Create the group of ``ranks``. Collective: every rank calls it, in the same order."""

@@ -80,7 +80,8 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
 
 
 def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
-    """Validate data and plan for ``world_size`` ranks before any worker is started."""
+    """Validate the communicator, data and plan for ``world_size`` ranks before any worker is started."""
+    pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
     return _build_plan(cfg, world_size, pm)[-1]
 
 

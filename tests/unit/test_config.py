@@ -71,3 +71,12 @@ def test_cli_prints_one_line_without_traceback(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "leaves 4 unit(s) with fewer than masker.min_owners=1" in proc.stderr
     assert "starting" not in proc.stdout
+
+
+def test_local_communicator_with_several_workers_fails_before_any_worker_starts():
+    from subnetdp.core.loop import preflight
+    from tests.helpers import plugin_manager, small_config
+
+    with pytest.raises(ConfigError, match=r"comm\.name='local': runs one process, but 2 were asked for.*launch\.nproc=1"):
+        preflight(small_config("comm.name=local"), 2, plugin_manager())
+    assert preflight(small_config("comm.name=local", "masker.coverage=1"), 1, plugin_manager()).world_size == 1

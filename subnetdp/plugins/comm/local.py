@@ -18,6 +18,12 @@ from subnetdp.core.hookspecs import hookimpl
 class LocalCommunicator(Communicator):
     """The null communicator for world size 1."""
 
+    @classmethod
+    def check_world_size(cls, world_size: int) -> None:
+        if world_size != 1:
+            raise ConfigError("comm.name", "local", f"runs one process, but {world_size} were asked for",
+                              "use comm.name=gloo (or nccl, mpi), or launch.nproc=1")
+
     def check_environment(self) -> None:
         if self.world_size != 1:
             raise ConfigError("comm.name", "local", f"runs one process, but the launcher started "
