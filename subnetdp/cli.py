@@ -150,6 +150,12 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
 
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    """The positional ``[RECIPE] [key=value ...]`` of train, launch and plan."""
+    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
+                   help="a recipe file or built-in recipe name, then config overrides")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="subnetdp", description="Subnetwork Data Parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -157,8 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train with SDP. Under torchrun, rank and world size come from the "
                                    "environment; started plainly with launch.nproc=N (N > 1) it starts N "
                                    "local workers itself.")
-    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
-                   help="a recipe file or built-in recipe name, then config overrides")
+    _recipe_args(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("launch", help="start a recipe under torchrun, mpirun or srun",
                        description="Start N workers of `subnetdp train RECIPE [key=value ...]` under a launcher, "
@@ -169,16 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mpirun", default=None, metavar="PATH", help="the mpirun to use (default: beside python)")
     p.add_argument("--launcher-args", default="", metavar="'ARGS'", help="extra launcher options as one string, written with '=': --launcher-args='--bind-to core'")
     p.add_argument("--dry-run", action="store_true", help="print the command without running it")
-    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
-                   help="a recipe file or built-in recipe name, then config overrides")
+    _recipe_args(p)
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("plan", help="the mask plan, memory and bytes per rank, without training",
                        description="Show the mask plan of a config for N ranks: ranks x units table, owner "
                                    "counts, connectivity and spectral gap, parameters per rank, and the "
                                    "peak memory and bytes per step of one training step, estimated by a "
                                    "dry run under FakeTensorMode (nothing is allocated).")
-    p.add_argument("args", nargs="*", metavar="[RECIPE] [key=value ...]",
-                   help="a recipe file or built-in recipe name, then config overrides")
+    _recipe_args(p)
     p.add_argument("--world-size", "-n", type=int, default=0, help="number of ranks (default: launch.nproc)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")

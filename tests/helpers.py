@@ -11,6 +11,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from subnetdp.core.config import compose
+from subnetdp.core.contracts import ParamMap
+from subnetdp.core.layout import LocalIndex, global_items
+from subnetdp.core.plan import MaskPlan
 from subnetdp.core.plugins import PluginManager
 
 _PM: PluginManager | None = None
@@ -108,3 +111,23 @@ def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str,
         return {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()
+
+
+def assert_pieces_at_global_coordinates(sub: Any, pmap: Any, reference: Any, partition: Any, owned: Sequence[int],
+                                        rtol: float, atol: float, values: bool = False) -> int:
+    """Each owned piece's gradient (and with ``values`` its value, exactly) equals the reference model's
+    at its global coordinates, and a dropped piece is not held at all: the ParamMap puts every piece
+    where it belongs. Returns the number of pieces checked."""
+    plan = MaskPlan(1, [list(owned)], len(partition.units))
+    index = LocalIndex(sub, pmap)
+    ref_index = LocalIndex(reference, ParamMap.identity([n for n, _ in reference.named_parameters()], {}))
+    checked = 0
+    for item in global_items(partition, plan):
+        if not item.owners:
+            assert not index.holds(item), item.name
+            continue
+        if values:
+            torch.testing.assert_close(index.view(item), ref_index.view(item), rtol=0, atol=0)
+        torch.testing.assert_close(index.view(item, grad=True), ref_index.view(item, grad=True), rtol=rtol, atol=atol)
+        checked += 1
+    return checked

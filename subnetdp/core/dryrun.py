@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from subnetdp.core.contracts import Communicator, DataSpec, DoneHandle, Handle, LaunchEnv, ModelAdapter, Partition
+from subnetdp.core.contracts import (Communicator, DataSpec, DoneHandle, Handle, LaunchEnv, ModelAdapter, ParamMap,
+                                     Partition)
 from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.core.optim import build_optimizer
 from subnetdp.core.plan import MaskPlan
@@ -101,12 +102,30 @@ def _clip(model: torch.nn.Module, comm: Communicator, max_norm: float) -> None:
         g.mul_(coef.to(g.dtype))
 
 
+def fake_rank_model(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
+                    rank: int, fake: FakeTensorMode) -> tuple[torch.nn.Module, ParamMap, list[int]]:
+    """Rank ``rank``'s model as the loop builds it, with fake tensors, in training mode.
+
+    Built and materialised on ``meta`` (:func:`fake_module`), with activation checkpointing applied
+    as :mod:`subnetdp.parallel` applies it. Returns the model, its parameter map and the positions
+    of the checkpointed blocks.
+    """
+    from subnetdp.parallel.checkpointing import apply_ac  # no process group involved
+
+    with torch.device("meta"):
+        model, pmap = local_model(adapter, adapter.build(spec), plan.owned[rank], partition, cfg.masker)
+    fake_module(model, fake)
+    model.train()
+    return model, pmap, apply_ac(adapter.blocks(model), int(cfg.train.activation_checkpointing))
+
+
 def _step(model: torch.nn.Module, adapter: ModelAdapter, batch: Any, averager: OwnerGroupAverager,
           optimizer: torch.optim.Optimizer, accum: int, refresher: Any, clip: float,
-          comm: Communicator) -> None:
+          comm: Communicator, autocast: Any) -> None:
     for micro in range(accum):
         with averager.no_sync() if micro < accum - 1 else _null():
-            loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+            with autocast:
+                loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
             loss.backward()
     averager.finish()
     if clip > 0:
@@ -134,13 +153,13 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         rank: the rank to estimate.
         batch: one real training batch (its shapes are used; it is converted to fake tensors).
     """
+    from subnetdp.parallel.apply import autocast_for
+
     comm = DryRunCommunicator(rank, plan.world_size)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.device("meta"):
-        model, pmap = local_model(adapter, adapter.build(spec), plan.owned[rank], partition, cfg.masker)
-    fake_module(model, fake)
+    model, pmap, checkpointed = fake_rank_model(cfg, adapter, spec, partition, plan, rank, fake)
+    autocast = autocast_for(str(cfg.train.precision), "cpu", False, bool(checkpointed))
     with fake:
-        model.train()
         fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         averager = OwnerGroupAverager(model, pmap, plan, partition, comm, float(cfg.sync.bucket_cap_mb),
@@ -157,13 +176,13 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         every = max(1, int(getattr(cfg.masker, "refresh_every", 1)))
         if measured > 1:
             averager.prepare()
-            _step(model, adapter, fbatch, averager, optimizer, accum, refresher, clip, comm)
+            _step(model, adapter, fbatch, averager, optimizer, accum, refresher, clip, comm, autocast)
         comm.bytes.reset()
         averager.prepare()  # as the loop: last step's gradients are dropped before the baseline
         state = training_state_tensors(model, optimizer, averager.state_tensors())
         with TensorMemoryTracker(live_state_bytes(state)) as tracker:
             _step(model, adapter, fbatch, averager, optimizer, accum,
-                  refresher if measured % every == 0 else None, clip, comm)
+                  refresher if measured % every == 0 else None, clip, comm, autocast)
         grad_bytes = float(averager.bytes_per_step())
         if refresher is not None and plan.world_size > 1:
             grad_bytes += refresher.bytes_per_refresh() / every

@@ -94,12 +94,9 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
                           "use comm.name=nccl for GPUs")
     data, spec, adapter, full, partition, plan = _build_plan(cfg, env.world_size, pm)
     if cfg.train.compile:
-        from subnetdp.parallel.compile import compile_problem
+        from subnetdp.parallel.compile import require_compilable
 
-        problem = compile_problem(comm.device, str(cfg.train.compile_backend))
-        if problem:
-            raise ConfigError("train.compile", True, problem, "install what is missing, set "
-                              "train.compile_backend=aot_eager, or train.compile=false")
+        require_compilable(comm.device, str(cfg.train.compile_backend))
 
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)

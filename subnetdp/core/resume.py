@@ -19,6 +19,7 @@ from another model, plan or world size is refused (re-planning for a new world s
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from pathlib import Path
@@ -263,20 +264,13 @@ class Checkpointer:
         Which ranks meet, and when: the loss flags came with the gradients (:meth:`carry_loss_check`);
         at C = 1 every rank holds the same averaged gradient, so its own check is everyone's and no
         collective is issued; otherwise the gradient flags travel in the gradient-norm all-reduce
-        when the norm is needed, or in one small all-reduce of their own. With
+        when the norm is needed (the norm is then the gradient check: one pass over the gradients,
+        not two), or in one small all-reduce of their own. With
         ``train.on_nonfinite=stop`` a non-finite step raises :class:`NonFiniteError` on every rank
         (the last good checkpoint is untouched); with ``skip`` it returns False.
         """
         world = self.comm.world_size
-        grads = averager.local_grads()
         flags = torch.zeros(world, dtype=torch.float64, device=loss.device)
-        if grads:
-            # One fused pass of 2-norms (as torch's clip_grad_norm_): inf and NaN propagate into the
-            # norm, nothing gradient-sized is allocated, and the check synchronises with the host once.
-            # (The max-norm would do the same at ten times the cost on the CPU; a norm that overflows
-            # only for gradients above 1e19 counts as non-finite, as it should.)
-            norms = torch.stack(torch._foreach_norm(grads, 2.0))
-            flags[self.rank] = (~torch.isfinite(norms)).any().double()
         carried = averager.carried()
         if carried is None:
             flags[self.rank] += (~torch.isfinite(loss)).any().double()
@@ -284,9 +278,21 @@ class Checkpointer:
         saved = dict(self.comm.bytes.by_group)
         norm = None
         if need_norm:
+            # inf and NaN in any gradient make the norm non-finite: it is the gradient check too.
             norm = averager.grad_norm(flags if fold else None)  # collective unless C = 1
-        elif fold:
-            self.comm.all_reduce(flags, self.comm.world).wait()  # collective: who saw inf/NaN
+            if not fold and not math.isfinite(norm):
+                flags[self.rank] += 1.0
+        else:
+            grads = averager.local_grads()
+            if grads:
+                # One fused pass of 2-norms (as torch's clip_grad_norm_): inf and NaN propagate into the
+                # norm and nothing gradient-sized is allocated. (The max-norm would cost ten times as
+                # much on the CPU; a norm that overflows only for gradients above 1e19 counts as
+                # non-finite, as it should.)
+                norms = torch.stack(torch._foreach_norm(grads, 2.0))
+                flags[self.rank] += (~torch.isfinite(norms)).any().double()
+            if fold:
+                self.comm.all_reduce(flags, self.comm.world).wait()  # collective: who saw inf/NaN
         self.comm.bytes.by_group = saved  # a guard, not a training step's traffic
         if carried is not None:
             flags += carried.double()

@@ -359,7 +359,7 @@ class OwnerGroupAverager:
 
         Every owner of a piece holds the same averaged gradient, so each contributes ``|g|^2 / k``;
         one world all-reduce then sums every piece exactly once. With ``flags`` (a float64 tensor),
-        the same all-reduce sums them over the world in place. At C = 1 (:attr:`replicated`) every
+        the same all-reduce sums them over the world in place (see :func:`world_norm`). At C = 1 (:attr:`replicated`) every
         rank holds the whole averaged gradient and no collective is needed. Collective otherwise:
         every rank calls it.
         """
@@ -413,8 +413,12 @@ def clip_to(averager: "OwnerGroupAverager", norm: float, max_norm: float) -> Non
 def world_norm(comm: Communicator, local_squares: torch.Tensor, flags: torch.Tensor | None = None) -> float:
     """``sqrt`` of the world's sum of ``local_squares`` (float64 scalar); ``flags`` ride along, summed in place.
 
+    With ``flags`` (one value per rank), this rank's flag is raised first when its own share is not
+    finite: inf and NaN in any gradient propagate into it, so the norm doubles as the inf/NaN check.
     Collective: every rank of the world calls it.
     """
+    if flags is not None:
+        flags[comm.rank] += (~torch.isfinite(local_squares)).to(flags.dtype)
     both = torch.cat([local_squares.view(1), flags.to(local_squares)]) if flags is not None else local_squares.view(1)
     comm.all_reduce(both, tuple(range(comm.world_size))).wait()
     if flags is not None:

@@ -26,7 +26,7 @@ class Parallelism:
         self.precision = str(cfg.train.precision)
         blocks = run.adapter.blocks(run.model)
         self.checkpointed = apply_ac(blocks, int(cfg.train.activation_checkpointing))
-        self.compiled = apply_compile(blocks, str(cfg.train.compile_backend), run.comm.device) if cfg.train.compile else 0
+        self.compiled = apply_compile(blocks, str(cfg.train.compile_backend)) if cfg.train.compile else 0
         self.mesh = None
         # FSDP's all-gather and reduce-scatter bytes of one step, measured by :meth:`counting`.
         self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = 0, 0.0, {}
@@ -60,10 +60,7 @@ class Parallelism:
         would outlive the blocks whose activations were dropped (1.4 GiB at 1B LLaMA), and the
         recomputation casts again anyway.
         """
-        if self.precision == "bf16" and not self.sharded:
-            return torch.autocast(self.run.comm.device.type, dtype=torch.bfloat16,
-                                  cache_enabled=not self.checkpointed)
-        return contextlib.nullcontext()
+        return autocast_for(self.precision, self.run.comm.device.type, self.sharded, bool(self.checkpointed))
 
     def memory_tracker(self, baseline: int) -> Any:
         """The dispatch-level tracker of the measured step; with FSDP it counts shards and gathers."""
@@ -103,10 +100,6 @@ class Parallelism:
             yield
         self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = counter.payload, counter.wire, dict(counter.by_kind)
 
-    def local(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a parameter or gradient (the tensor itself without FSDP)."""
-        return t.to_local() if self.sharded and hasattr(t, "to_local") else t
-
     def optimizer_state_out(self, state: dict) -> dict:
         """An optimizer state dict a checkpoint can hold (shards as plain tensors)."""
         if not self.sharded:
@@ -125,6 +118,13 @@ class Parallelism:
     def describe(self) -> dict[str, Any]:
         return {"fsdp_shard_size": self.shard_size, "precision": self.precision,
                 "activation_checkpointing": len(self.checkpointed), "compiled_blocks": self.compiled}
+
+
+def autocast_for(precision: str, device_type: str, sharded: bool, checkpointed: bool) -> Any:
+    """The forward's autocast context of :meth:`Parallelism.autocast` (also used by the plan's dry run)."""
+    if precision == "bf16" and not sharded:
+        return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=not checkpointed)
+    return contextlib.nullcontext()
 
 
 def parallelize(run: Any) -> Parallelism:

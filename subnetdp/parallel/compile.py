@@ -35,19 +35,21 @@ def compile_problem(device: torch.device, backend: str) -> str | None:
     return None
 
 
-def apply_compile(blocks: Sequence[nn.Module], backend: str, device: torch.device) -> int:
+def require_compilable(device: torch.device, backend: str) -> None:
+    """Raise a :class:`ConfigError` saying why ``train.compile`` cannot work here (before any process group)."""
+    problem = compile_problem(device, backend)
+    if problem:
+        raise ConfigError("train.compile", True, problem,
+                          "install what is missing, set train.compile_backend=aot_eager, or train.compile=false")
+
+
+def apply_compile(blocks: Sequence[nn.Module], backend: str) -> int:
     """Compile each block in place (names of parameters and buffers do not change).
 
     Blocks are compiled one by one, as torchtitan does, so a model whose blocks share a shape
     compiles once and recompiles nothing, and FSDP2's hooks stay outside the compiled region.
-
-    Raises:
-        ConfigError: ``train.compile`` cannot work on this machine; the message says why.
+    The loop calls :func:`require_compilable` first, before any process group exists.
     """
-    problem = compile_problem(device, backend)
-    if problem:
-        raise ConfigError("train.compile", "true", problem,
-                          "install what is missing, set train.compile_backend=aot_eager, or train.compile=false")
     for block in blocks:
         block.compile(backend=backend)
     return len(blocks)

@@ -20,12 +20,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from subnetdp.core.contracts import DataSpec, Handle, ModelAdapter, Partition
-from subnetdp.core.dryrun import DryRunCommunicator, fake_module
+from subnetdp.core.dryrun import DryRunCommunicator, fake_rank_model
 from subnetdp.core.metrics import live_state_bytes, training_state_tensors
 from subnetdp.core.optim import build_optimizer
 from subnetdp.core.plan import MaskPlan
-from subnetdp.core.variants import local_model
-from subnetdp.parallel.checkpointing import apply_ac
 from subnetdp.parallel.fsdp import (CollectiveBytes, ShardedMemoryTracker, ShardedOwnerAverager, apply_fsdp,
                                     local, mixed_precision)
 
@@ -92,14 +90,9 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
         # DeviceMesh reads its layout with .tolist(): made outside FakeTensorMode.
         mesh = init_device_mesh("cpu", (plan.world_size // shard, shard), mesh_dim_names=("replica", "shard"))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with torch.device("meta"):
-            model, pmap = local_model(adapter, adapter.build(spec), plan.owned[rank], partition, cfg.masker)
-        fake_module(model, fake)
+        model, pmap, _ = fake_rank_model(cfg, adapter, spec, partition, plan, rank, fake)
         with fake:
-            model.train()
-            blocks = adapter.blocks(model)
-            apply_ac(blocks, int(cfg.train.activation_checkpointing))
-            apply_fsdp(model, blocks, mesh["shard"], mixed_precision(str(cfg.train.precision)),
+            apply_fsdp(model, adapter.blocks(model), mesh["shard"], mixed_precision(str(cfg.train.precision)),
                        bool(cfg.fsdp.reshard_after_forward))
             optimizer = build_optimizer(cfg.optim, model.parameters())
             averager = ShardedOwnerAverager(model, pmap, plan.replicas(shard), partition, comm, shard,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.errors import RankMismatchError
 from subnetdp.core.loop import _train, setup
 from subnetdp.core.sync import OwnerGroupAverager
 from tests.helpers import plugin_manager, run_ranks, small_config
@@ -81,21 +80,3 @@ def test_owners_bit_identical_and_gradients_are_owner_means(tmp_path):
     assert checked_units == set(range(len(owners)))
     # Owners hold different units: the ranks' subnetworks really differ.
     assert results[0]["owned"] != results[2]["owned"]
-
-
-def _mismatch_worker(rank: int, world: int, init_method: str) -> None:
-    cfg = small_config(f"masker.coverage={0.5 if rank == 0 else 1.0}", "train.steps=1",
-                       f"comm.init_method={init_method}", "run.name=mismatch",
-                       run_dir=init_method.removeprefix("file://") + "-runs")
-    try:
-        setup(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    except RankMismatchError:
-        raise
-    raise AssertionError("ranks with different plans were not stopped")
-
-
-def test_ranks_that_disagree_on_the_plan_stop_with_a_message(tmp_path):
-    errors = run_ranks(_mismatch_worker, 2, tmp_path, expect_error=True)
-    for e in errors:
-        assert e.startswith("RankMismatchError"), e
-        assert "rank 1 has a different plan than rank 0" in e

@@ -15,6 +15,7 @@ from subnetdp.core.errors import ConfigError
 from subnetdp.core.layout import LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 from subnetdp.plugins.models.llama import LlamaAdapter, LlamaConfig
+from tests.helpers import assert_pieces_at_global_coordinates
 
 SPEC = DataSpec(vocab_size=97, seq_len=16)
 K = 4  # units per layer
@@ -98,16 +99,7 @@ def test_narrowed_mlps_match_zeroed_neurons(rescale):
             F.cross_entropy(out_sub.flatten(0, 1), y.flatten()).backward()
             F.cross_entropy(out_ref.flatten(0, 1), y.flatten()).backward()
     # Gradients agree at global coordinates: the ParamMap puts each owned piece where it belongs.
-    plan = MaskPlan(1, [owned], len(partition.units))
-    index = LocalIndex(sub, pmap)
-    ref_index = LocalIndex(reference, ParamMap.identity([n for n, _ in reference.named_parameters()], {}))
-    checked = 0
-    for item in global_items(partition, plan):
-        if not item.owners:
-            assert not index.holds(item)
-            continue
-        torch.testing.assert_close(index.view(item, grad=True), ref_index.view(item, grad=True), rtol=1e-4, atol=1e-6)
-        checked += 1
+    checked = assert_pieces_at_global_coordinates(sub, pmap, reference, partition, owned, rtol=1e-4, atol=1e-6)
     assert checked == len(partition.shared) + 3 * len(owned)
 
 

@@ -9,11 +9,10 @@ import torch
 from omegaconf import OmegaConf
 from torchvision.models.resnet import Bottleneck
 
-from subnetdp.core.contracts import DataSpec, ParamMap
-from subnetdp.core.layout import LocalIndex, global_items
-from subnetdp.core.plan import MaskPlan
+from subnetdp.core.contracts import DataSpec
 from subnetdp.plugins.models._resnet_neurons import hidden_layers
 from subnetdp.plugins.models.resnet import ResNetAdapter, ResNetConfig
+from tests.helpers import assert_pieces_at_global_coordinates
 
 
 def _adapter(variant: str) -> ResNetAdapter:
@@ -66,16 +65,7 @@ def test_narrowed_blocks_match_zeroed_channels(variant, units_per_layer, owned):
             torch.nn.functional.cross_entropy(out_sub, y).backward()
             torch.nn.functional.cross_entropy(out_ref, y).backward()
     # Gradients agree at global coordinates: the ParamMap puts each owned piece where it belongs.
-    plan = MaskPlan(1, [owned], len(partition.units))
-    index = LocalIndex(sub, pmap)
-    ref_index = LocalIndex(reference, ParamMap.identity([n for n, _ in reference.named_parameters()], {}))
-    checked = 0
-    for item in global_items(partition, plan):
-        if not item.owners:
-            assert not index.holds(item)  # a dropped piece is not held at all
-            continue
-        torch.testing.assert_close(index.view(item, grad=True), ref_index.view(item, grad=True), rtol=1e-3, atol=2e-4)
-        checked += 1
+    checked = assert_pieces_at_global_coordinates(sub, pmap, reference, partition, owned, rtol=1e-3, atol=2e-4)
     assert checked == len(partition.shared) + 4 * len(owned)
 
     # The expected parameter count: shared tensors plus the owned units' pieces.

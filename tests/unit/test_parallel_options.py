@@ -9,6 +9,7 @@ import torch
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.loop import _train, preflight, set_threads, setup
+from subnetdp.core.planreport import plan_report
 from subnetdp.parallel.checkpointing import checkpointed_positions
 from subnetdp.parallel.compile import compile_problem
 from tests.helpers import plugin_manager, small_config
@@ -45,6 +46,11 @@ def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     _same(plain, ac)
     assert mem_ac["activation_checkpointing"] == 4 and mem["activation_checkpointing"] == 0  # the tiny LLaMA's 4 blocks
     assert mem_ac["peak_memory_bytes"] < 0.9 * mem["peak_memory_bytes"], (mem_ac["peak_memory_bytes"], mem["peak_memory_bytes"])
+    # `subnetdp plan` dry-runs the checkpointed step too: its estimate is what the loop measured.
+    cfg = small_config(f"data.cache_dir={tmp_path / 'data'}", *LLAMA, "train.activation_checkpointing=1",
+                       recipe="llama_tiny_stdlib", run_dir=tmp_path / "runs")
+    est = plan_report(cfg, 1, plugin_manager())["ranks"][0]["peak_memory_bytes"]
+    assert abs(est / mem_ac["peak_memory_bytes"] - 1) < 0.05, (est, mem_ac["peak_memory_bytes"])
     # ResNet: BatchNorm's running statistics are updated once per step, not again by the recomputation.
     resnet = ("comm.name=local", "masker.coverage=1", "train.steps=2", "train.batch_size=8", "eval.batches=1")
     p0, b0, _ = _run(tmp_path, *resnet, "run.name=r0", recipe="resnet18_digits")

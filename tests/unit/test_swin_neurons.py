@@ -8,11 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from subnetdp.core.contracts import DataSpec, ParamMap
+from subnetdp.core.contracts import DataSpec
 from subnetdp.core.errors import ConfigError
-from subnetdp.core.layout import LocalIndex, global_items
-from subnetdp.core.plan import MaskPlan
 from subnetdp.plugins.models.swin import SwinAdapter, SwinConfig
+from tests.helpers import assert_pieces_at_global_coordinates
 
 SMALL = {"variant": "cifar", "patch_size": 2, "window_size": 2, "embed_dim": 16, "depths": [2, 2],
          "num_heads": [2, 4], "stochastic_depth_prob": 0.0}
@@ -78,17 +77,7 @@ def test_narrowed_mlps_match_zeroed_neurons():
             torch.nn.functional.cross_entropy(out_sub, y).backward()
             torch.nn.functional.cross_entropy(out_ref, y).backward()
     # Gradients agree at global coordinates: the ParamMap puts each owned piece where it belongs.
-    plan = MaskPlan(1, [owned], len(partition.units))
-    index = LocalIndex(sub, pmap)
-    ref_index = LocalIndex(reference, ParamMap.identity([n for n, _ in reference.named_parameters()], {}))
-    checked = 0
-    for item in global_items(partition, plan):
-        if not item.owners:
-            assert not index.holds(item)
-            continue
-        torch.testing.assert_close(index.view(item), ref_index.view(item), rtol=0, atol=0)
-        torch.testing.assert_close(index.view(item, grad=True), ref_index.view(item, grad=True), rtol=1e-4, atol=1e-6)
-        checked += 1
+    checked = assert_pieces_at_global_coordinates(sub, pmap, reference, partition, owned, rtol=1e-4, atol=1e-6, values=True)
     assert checked == len(partition.shared) + 3 * len(owned)
 
 
