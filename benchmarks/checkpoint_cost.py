@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from subnetdp.core import checkpoint as ck
+from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.loop import setup
-from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.train.loop import setup
+from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.resume import Checkpointer
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.sdp.sync import OwnerGroupAverager
 
 
 def main() -> None:

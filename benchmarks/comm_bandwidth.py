@@ -87,11 +87,11 @@ def bytes_per_step(gloo, rank: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from subnetdp.core.loop import _build_plan
+    from subnetdp.train.loop import _build_plan
     from subnetdp.core.plugins import PluginManager
     from subnetdp.core.config import compose
     from subnetdp.core.plan import make_plan
-    from subnetdp.core.sync import OwnerGroupAverager
+    from subnetdp.sdp.sync import OwnerGroupAverager
 
     pm = PluginManager()
     out: dict = {"model": "resnet18 (CIFAR stem), digits 8x8, batch 16 per rank", "measured_world_size": 2}

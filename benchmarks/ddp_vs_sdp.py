@@ -10,7 +10,7 @@ run one after the other. Per rank it measures:
 - peak tensor memory of one step taken after the optimizer state exists (``--memory-step``,
   default 3, since DDP rebuilds its gradient buckets in the forward of step 2, a one-off), with
   subnetdp's dispatch-level ``TensorMemoryTracker`` over the baseline of parameters, buffers,
-  gradients and optimizer state, for DDP exactly as ``subnetdp.core.loop`` does for subnetdp;
+  gradients and optimizer state, for DDP exactly as ``subnetdp.train.loop`` does for subnetdp;
 - payload bytes handed to all-reduces per step and their ring estimate ``2(k-1)/k x payload``
   (DDP's counted by a communication hook wrapped around the default all-reduce);
 - mean step time without the first and the memory-measured step.
@@ -49,11 +49,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors
-from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import units_kept
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.union import evaluate
+from subnetdp.sdp.union import evaluate
 
 RECIPE = "resnet18_digits"  # configs/recipes: ResNet-18, CIFAR stem, digits, SGD, cyclic block masker
 STAGE_BLOCKS = 2  # ResNet-18 has 2 blocks in every stage: the masker's default groups.
@@ -93,7 +93,7 @@ def _counting_allreduce_hook(state, bucket):  # no annotations: DDP checks them 
 
 
 def _ddp_worker(rank: int, args: argparse.Namespace, run_dir: str, store: str, out: str) -> None:
-    """One rank of the DDP baseline: the loop of ``subnetdp.core.loop`` with DDP in place of SDP."""
+    """One rank of the DDP baseline: the loop of ``subnetdp.train.loop`` with DDP in place of SDP."""
     torch.set_num_threads(1)
     pm = PluginManager()
     cfg = compose(RECIPE, _overrides(args, run_dir, "ddp", store), pm.registries)
@@ -151,8 +151,8 @@ def _ddp_worker(rank: int, args: argparse.Namespace, run_dir: str, store: str, o
 
 def _sdp_worker(rank: int, args: argparse.Namespace, coverage: float, group_by: str, run_dir: str,
                 store: str, out: str) -> None:
-    """One rank of a subnetdp run through ``subnetdp.core.loop.train``."""
-    from subnetdp.core.loop import train
+    """One rank of a subnetdp run through ``subnetdp.train.loop.train``."""
+    from subnetdp.train.loop import train
 
     pm = PluginManager()
     name = f"sdp-c{coverage:g}"

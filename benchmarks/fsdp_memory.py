@@ -68,15 +68,15 @@ import llama_memory  # noqa: E402  (benchmarks/ is not a package)
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import DataSpec  # noqa: E402
 from subnetdp.core.errors import PlanError  # noqa: E402
-from subnetdp.core.metrics import live_state_bytes, training_state_tensors  # noqa: E402
-from subnetdp.core.optim import build_optimizer  # noqa: E402
+from subnetdp.train.meter import live_state_bytes, training_state_tensors  # noqa: E402
+from subnetdp.train.optim import build_optimizer  # noqa: E402
 from subnetdp.core.plan import make_plan  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
-from subnetdp.core.sync import OwnerGroupAverager  # noqa: E402
+from subnetdp.sdp.sync import OwnerGroupAverager  # noqa: E402
 from subnetdp.parallel.fsdp import ShardedMemoryTracker as ShardTracker  # noqa: E402
 from subnetdp.parallel.checkpointing import apply_ac  # noqa: E402
 from subnetdp.parallel.fsdp import CollectiveBytes, ShardedOwnerAverager, apply_fsdp, mixed_precision  # noqa: E402
-from subnetdp.parallel.dryrun import FakeGroupCommunicator as FakeCommunicator  # noqa: E402
+from subnetdp.train.dryrun_fsdp import FakeGroupCommunicator as FakeCommunicator  # noqa: E402
 
 RESULTS, GiB, MiB = llama_memory.RESULTS, llama_memory.GiB, 2**20
 WORLD = 8
@@ -181,7 +181,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         active: list[ShardTracker] = []  # the tracker of the measured step, to read after the forward
         after_forward: list[int] = []
 
-        def step() -> None:  # what subnetdp.core.loop does per step (no clipping)
+        def step() -> None:  # what subnetdp.train.loop does per step (no clipping)
             for micro in range(setup.accum):
                 with averager.no_sync() if micro < setup.accum - 1 else contextlib.nullcontext():
                     with autocast:

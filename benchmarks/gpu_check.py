@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
-from subnetdp.core.loop import train  # noqa: E402
+from subnetdp.train.loop import train  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
 
 RESULTS: dict = {}

@@ -26,13 +26,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.config import compose
-from subnetdp.core.dryrun import DryRunCommunicator
+from subnetdp.train.dryrun import DryRunCommunicator
 from subnetdp.core.contracts import DataSpec
-from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors
-from subnetdp.core.optim import build_optimizer
+from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.train.optim import build_optimizer
 from subnetdp.core.plan import make_plan
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.sdp.sync import OwnerGroupAverager
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30

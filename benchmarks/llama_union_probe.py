@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
-from subnetdp.core.loop import _train, setup  # noqa: E402
-from subnetdp.core.union import assemble_union, evaluate  # noqa: E402
+from subnetdp.train.loop import _train, setup  # noqa: E402
+from subnetdp.sdp.union import assemble_union, evaluate  # noqa: E402
 from tests.helpers import plugin_manager, run_ranks  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

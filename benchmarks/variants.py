@@ -51,11 +51,11 @@ from torchvision.ops import StochasticDepth
 
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors
-from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import units_kept
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.union import evaluate
+from subnetdp.sdp.union import evaluate
 
 RECIPE = "resnet18_digits"
 STAGE_BLOCKS = 2  # blocks per stage of ResNet-18
@@ -162,7 +162,7 @@ def _ddp_worker(rank: int, world: int, args: argparse.Namespace, kind: str, keep
 
 def _sdp_worker(rank: int, world: int, args: argparse.Namespace, variant: str, coverage: float, run_dir: str,
                 store: str, out: str) -> None:
-    from subnetdp.core.loop import train
+    from subnetdp.train.loop import train
 
     torch.set_num_threads(1)
     granularity, regime = SDP[variant]

@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
-from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
-from subnetdp.core.optim import build_optimizer, build_schedule  # noqa: E402
+from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
+from subnetdp.train.optim import build_optimizer, build_schedule  # noqa: E402
 from subnetdp.core.plan import make_plan  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
 
@@ -130,7 +130,7 @@ def memory_table(batch: int, pm: PluginManager, world: int = 4) -> list[dict]:
 
 
 def _sdp_run(rank: int, world: int, init: str, overrides: list[str]) -> dict:
-    from subnetdp.core.loop import train
+    from subnetdp.train.loop import train
 
     cfg = compose(None, overrides + [f"comm.init_method={init}"], PluginManager().registries)
     t0 = time.perf_counter()
@@ -145,7 +145,7 @@ def _ddp_run(rank: int, world: int, init: str, overrides: list[str]) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from subnetdp.core.union import evaluate
+    from subnetdp.sdp.union import evaluate
 
     pm = PluginManager()
     cfg = compose(None, overrides, pm.registries)
@@ -211,7 +211,7 @@ def flop_fraction(overrides: list[str], world: int = 2) -> float:
     """Forward FLOPs per image of the largest rank's model over the full model's, for ``world`` ranks."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from subnetdp.core.variants import local_model, partition_model
+    from subnetdp.sdp.variants import local_model, partition_model
 
     pm = PluginManager()
     cfg = compose(None, overrides, pm.registries)

@@ -35,7 +35,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     env = detect()
     nproc = int(cfg.launch.nproc)
     if env.launcher == "none" and nproc > 1:
-        from subnetdp.core.loop import preflight
+        from subnetdp.train.loop import preflight
         from subnetdp.launchers.local import launch_local
 
         # Fail on a bad plan here, before any worker or process group exists.
@@ -45,7 +45,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         argv = ["train"] + ([recipe] if recipe else []) + overrides
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
         return launch_local(nproc, argv)
-    from subnetdp.core.loop import train
+    from subnetdp.train.loop import train
 
     train(cfg, env, pm)
     return 0
@@ -54,7 +54,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.core.config import compose
     from subnetdp.core.errors import ConfigError
-    from subnetdp.core.loop import preflight
+    from subnetdp.train.loop import preflight
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
 
@@ -71,9 +71,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.core.config import compose
-    from subnetdp.core.metrics import plan_figure
+    from subnetdp.train.meter import plan_figure
     from subnetdp.core.plan import MaskPlan
-    from subnetdp.core.planreport import format_report, plan_report
+    from subnetdp.train.planreport import format_report, plan_report
     from subnetdp.core.plugins import PluginManager
 
     recipe, overrides = _split_args(ns.args)

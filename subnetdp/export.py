@@ -8,7 +8,7 @@ Everything here runs in one process, without a process group::
     import subnetdp.export
     model = subnetdp.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
 
-The union model is assembled as :func:`subnetdp.core.union.assemble_union` does inside a run: each
+The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run: each
 unit's parameters from ``min(owners)`` (per ``plan.json``), float buffers averaged among the owners,
 integer buffers from ``min(owners)``; shared tensors from rank 0, shared float buffers averaged over
 all ranks. Export then recalibrates BatchNorm statistics on ``eval.bn_recalibrate_batches`` training
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from subnetdp.core import checkpoint as ck
+from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSlice
 from subnetdp.core.errors import CheckpointError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.union import evaluate, recalibrate_batchnorm
+from subnetdp.sdp.union import evaluate, recalibrate_batchnorm
 
 EXPORT_FORMAT = "subnetdp-export/1"
 

@@ -12,7 +12,7 @@ import torch
 
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import ParamMap
-from subnetdp.core.layout import LocalIndex, global_items
+from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 from subnetdp.core.plugins import PluginManager
 
@@ -89,7 +89,7 @@ def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from subnetdp.core.optim import build_optimizer, build_schedule
+    from subnetdp.train.optim import build_optimizer, build_schedule
 
     pm = plugin_manager()
     data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))

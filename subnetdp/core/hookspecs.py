@@ -1,6 +1,6 @@
 """Hook specifications of subnetdp (pluggy project ``subnetdp``).
 
-Where each hook fires in the training loop (``subnetdp.core.loop.train``)::
+Where each hook fires in the training loop (``subnetdp.train.loop.train``)::
 
     pm = plugin manager, loading every ``subnetdp`` entry point (built-ins included)
     subnetdp_register_maskers(registry)          # each plugin adds named classes
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from subnetdp.core.loop import Run
+    from subnetdp.train.loop import Run
     from subnetdp.core.plugins import Registry
 
 PROJECT = "subnetdp"
@@ -85,7 +85,7 @@ def subnetdp_register_datasets(registry: "Registry") -> None:
 def subnetdp_on_run_start(run: "Run") -> None:
     """A run is set up: process groups exist, the subnetwork is materialised on its device.
 
-    :param run: the :class:`~subnetdp.core.loop.Run` (config, plan, model, rank, run directory).
+    :param run: the :class:`~subnetdp.train.loop.Run` (config, plan, model, rank, run directory).
 
     Called on every rank, before the first step. The result is ignored.
     """
@@ -95,7 +95,7 @@ def subnetdp_on_run_start(run: "Run") -> None:
 def subnetdp_on_step_end(run: "Run", step: int, metrics: dict[str, Any]) -> None:
     """An optimizer step finished.
 
-    :param run: the running :class:`~subnetdp.core.loop.Run`.
+    :param run: the running :class:`~subnetdp.train.loop.Run`.
     :param step: the number of steps done so far (1 after the first step).
     :param metrics: this rank's values for the step (``loss``, ``lr``, ``step_time`` ...).
 
@@ -108,7 +108,7 @@ def subnetdp_on_step_end(run: "Run", step: int, metrics: dict[str, Any]) -> None
 def subnetdp_on_eval_end(run: "Run", step: int, metrics: dict[str, Any]) -> None:
     """The union model was evaluated.
 
-    :param run: the running :class:`~subnetdp.core.loop.Run`.
+    :param run: the running :class:`~subnetdp.train.loop.Run`.
     :param step: the step after which the evaluation ran.
     :param metrics: the adapter's eval metrics (``accuracy``, ``loss`` ...); empty on ranks > 0.
 
@@ -120,7 +120,7 @@ def subnetdp_on_eval_end(run: "Run", step: int, metrics: dict[str, Any]) -> None
 def subnetdp_on_run_end(run: "Run") -> None:
     """The run finished its last step and wrote ``summary.json``.
 
-    :param run: the finished :class:`~subnetdp.core.loop.Run`; ``run.summary`` holds the summary.
+    :param run: the finished :class:`~subnetdp.train.loop.Run`; ``run.summary`` holds the summary.
 
     Called on every rank. The result is ignored.
     """

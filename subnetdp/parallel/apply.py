@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.parallel.checkpointing import apply_ac
 from subnetdp.parallel.compile import apply_compile
 
@@ -68,7 +68,7 @@ class Parallelism:
             from subnetdp.parallel.fsdp import ShardedMemoryTracker
 
             return ShardedMemoryTracker(baseline)
-        from subnetdp.core.metrics import TensorMemoryTracker
+        from subnetdp.train.meter import TensorMemoryTracker
 
         return TensorMemoryTracker(baseline)
 

@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
-from subnetdp.core.metrics import TensorMemoryTracker
+from subnetdp.train.meter import TensorMemoryTracker
 from subnetdp.core.plan import MaskPlan
-from subnetdp.core.sync import clip_to, world_norm
+from subnetdp.sdp.sync import clip_to, world_norm
 
 
 def replica_mesh(comm: Communicator, shard_size: int) -> DeviceMesh:
@@ -231,7 +231,7 @@ class _Bucket:
 class ShardedOwnerAverager:
     """Owner-group averaging of FSDP-sharded gradients across replicas.
 
-    Same per-step use as :class:`~subnetdp.core.sync.OwnerGroupAverager`. FSDP's reduce-scatter has
+    Same per-step use as :class:`~subnetdp.sdp.sync.OwnerGroupAverager`. FSDP's reduce-scatter has
     already averaged each gradient over the S ranks of the replica when backward returns; this
     averages each local shard over the ranks holding the same shard of the same unit in the other
     owner replicas. Buckets are packed after backward, per owner set, in the partition's order.

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.loop import _train, set_threads, setup
-from subnetdp.core.optim import build_optimizer, build_schedule
-from subnetdp.core.planreport import plan_report
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.train.loop import _train, set_threads, setup
+from subnetdp.train.optim import build_optimizer, build_schedule
+from subnetdp.train.planreport import plan_report
+from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.loop import train
+from subnetdp.train.loop import train
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
 
@@ -77,7 +77,7 @@ def test_llama_owners_bit_identical_and_coverage_1_matches_ddp(tmp_path):
 
 def _neuron_worker(rank: int, world: int, init_method: str, cache: str) -> dict:
     """N-SDP at C = 0.5 (4 hidden ranges per layer): every piece's owners and their values."""
-    from subnetdp.core.layout import LocalIndex, global_items
+    from subnetdp.sdp.pieces import LocalIndex, global_items
 
     env = LaunchEnv(rank, world, rank, world, "test")
     run = train(_config(init_method + "-n", cache, "masker.granularity=neuron", "masker.coverage=0.5",

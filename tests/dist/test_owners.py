@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.loop import _train, setup
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.train.loop import _train, setup
+from subnetdp.sdp.sync import OwnerGroupAverager
 from tests.helpers import plugin_manager, run_ranks, small_config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.loop import train
+from subnetdp.train.loop import train
 from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
 
 STEPS = 4

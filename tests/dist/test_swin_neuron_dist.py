@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.layout import LocalIndex, full_tensors, global_items
-from subnetdp.core.loop import train
+from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
+from subnetdp.train.loop import train
 from tests.helpers import plugin_manager, run_ranks, small_config
 
 SWIN = ["model.name=swin", "model.variant=cifar", "model.patch_size=2", "model.window_size=2", "model.embed_dim=16",

@@ -17,13 +17,13 @@ import json
 import torch
 
 from subnetdp import cli
-from subnetdp.core.backward import apply_backward_masking
+from subnetdp.sdp.backward import apply_backward_masking
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.layout import LocalIndex, full_tensors, global_items
-from subnetdp.core.loop import _train, setup
-from subnetdp.core.resample import family
-from subnetdp.core.sync import OwnerGroupAverager
+from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
+from subnetdp.train.loop import _train, setup
+from subnetdp.sdp.resample import family
+from subnetdp.sdp.sync import OwnerGroupAverager
 from tests.helpers import plugin_manager, run_ranks, small_config
 
 VARIANTS = {"B": ("block", "forward"), "N": ("neuron", "forward"),

@@ -14,8 +14,8 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from subnetdp.core.loop import train
-from subnetdp.core.metrics import tensor_digest
+from subnetdp.train.loop import train
+from subnetdp.train.meter import tensor_digest
 from subnetdp.launchers import detect
 from subnetdp.plugins.comm.mpi import MpiCommunicator
 from tests.helpers import plugin_manager, small_config

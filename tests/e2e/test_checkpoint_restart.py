@@ -21,7 +21,7 @@ import torchvision
 from safetensors.torch import load_file
 from torch import nn
 
-from subnetdp.core import checkpoint as ck
+from subnetdp.train.checkpoints import files as ck
 from subnetdp.export import export, load_reference, load_union
 from tests.helpers import plugin_manager
 

@@ -14,7 +14,7 @@ import torch
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
-from subnetdp.core.loop import train
+from subnetdp.train.loop import train
 from tests.helpers import plugin_manager, small_config
 
 PM = plugin_manager()

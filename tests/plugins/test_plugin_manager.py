@@ -12,7 +12,7 @@ from subnetdp.core import hookspecs
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import SubnetdpError
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.loop import train
+from subnetdp.train.loop import train
 from subnetdp.core.plugins import PluginManager
 from subnetdp.plugins.maskers.cyclic import CyclicMasker
 from tests.helpers import small_config

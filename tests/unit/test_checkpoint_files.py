@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from subnetdp.core import checkpoint as ck
+from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import CheckpointError, NonFiniteError
-from subnetdp.core.loop import train
+from subnetdp.train.loop import train
 from subnetdp.export import load_union
 from tests.helpers import plugin_manager, small_config
 

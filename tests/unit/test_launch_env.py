@@ -15,7 +15,7 @@ from subnetdp import cli
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError, SubnetdpError
-from subnetdp.core.metrics import bytes_by_group, tensor_digest
+from subnetdp.train.meter import bytes_by_group, tensor_digest
 from subnetdp.launchers import detect, first_slurm_host, slurm_tasks_on_node
 from subnetdp.launchers.command import launch_command
 from subnetdp.plugins.comm.mpi import MpiCommunicator

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-import subnetdp.plugins.models.llama as llama_module
+import subnetdp.plugins.models.llama.adapter as llama_module
 from subnetdp.core.contracts import DataSpec
-from subnetdp.plugins.models.llama import (VARIANTS, Llama, LlamaAdapter, LlamaConfig, apply_rotary,
+from subnetdp.plugins.models.llama.adapter import (VARIANTS, Llama, LlamaAdapter, LlamaConfig, apply_rotary,
                                            rotary_tables)
 
 SPEC = DataSpec(vocab_size=257, seq_len=32)

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.loop import train
-from subnetdp.core.union import evaluate
+from subnetdp.train.loop import train
+from subnetdp.sdp.union import evaluate
 from subnetdp.export import export, load_reference
-from subnetdp.plugins.models.llama import Llama, LlamaArgs
+from subnetdp.plugins.models.llama.adapter import Llama, LlamaArgs
 from tests.helpers import plugin_manager, small_config
 
 

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from subnetdp.core.backward import apply_backward_masking
+from subnetdp.sdp.backward import apply_backward_masking
 from subnetdp.core.contracts import DataSpec, ParamMap
 from subnetdp.core.errors import ConfigError
-from subnetdp.core.layout import LocalIndex, global_items
+from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
-from subnetdp.plugins.models.llama import LlamaAdapter, LlamaConfig
+from subnetdp.plugins.models.llama.adapter import LlamaAdapter, LlamaConfig
 from tests.helpers import assert_pieces_at_global_coordinates
 
 SPEC = DataSpec(vocab_size=97, seq_len=16)

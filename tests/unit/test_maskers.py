@@ -9,11 +9,11 @@ from omegaconf import OmegaConf
 from subnetdp.core.contracts import DataSpec, MaskerConfig
 from subnetdp.core.errors import PlanError
 from subnetdp.core.plan import make_plan, units_kept
-from subnetdp.core.resample import draw, family, rotated
+from subnetdp.sdp.resample import draw, family, rotated
 from subnetdp.plugins.maskers.balanced import BalancedMasker
 from subnetdp.plugins.maskers.cyclic import CyclicMasker
 from subnetdp.plugins.maskers.random import RandomMasker
-from subnetdp.plugins.models.resnet import ResNetAdapter, ResNetConfig
+from subnetdp.plugins.models.resnet.adapter import ResNetAdapter, ResNetConfig
 
 SPEC = DataSpec(in_channels=1, image_size=8, num_classes=10)
 

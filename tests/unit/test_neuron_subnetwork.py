@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from torchvision.models.resnet import Bottleneck
 
 from subnetdp.core.contracts import DataSpec
-from subnetdp.plugins.models._resnet_neurons import hidden_layers
-from subnetdp.plugins.models.resnet import ResNetAdapter, ResNetConfig
+from subnetdp.plugins.models.resnet.neurons import hidden_layers
+from subnetdp.plugins.models.resnet.adapter import ResNetAdapter, ResNetConfig
 from tests.helpers import assert_pieces_at_global_coordinates
 
 

@@ -8,8 +8,8 @@ import torch
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
-from subnetdp.core.loop import _train, preflight, set_threads, setup
-from subnetdp.core.planreport import plan_report
+from subnetdp.train.loop import _train, preflight, set_threads, setup
+from subnetdp.train.planreport import plan_report
 from subnetdp.parallel.checkpointing import checkpointed_positions
 from subnetdp.parallel.compile import compile_problem
 from tests.helpers import plugin_manager, small_config

@@ -13,7 +13,7 @@ from subnetdp.core.contracts import DataSpec, MaskerConfig
 from subnetdp.core.errors import PlanError
 from subnetdp.core.plan import MaskPlan, make_plan, units_kept
 from subnetdp.plugins.maskers.cyclic import CyclicMasker
-from subnetdp.plugins.models.resnet import ResNetAdapter, ResNetConfig
+from subnetdp.plugins.models.resnet.adapter import ResNetAdapter, ResNetConfig
 
 
 @pytest.fixture(scope="module")

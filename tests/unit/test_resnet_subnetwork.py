@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from subnetdp.core.contracts import DataSpec
-from subnetdp.plugins.models.resnet import DroppedBlock, ResNetAdapter, ResNetConfig
+from subnetdp.plugins.models.resnet.adapter import DroppedBlock, ResNetAdapter, ResNetConfig
 
 
 def _adapter(variant: str) -> ResNetAdapter:

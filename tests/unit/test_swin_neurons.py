@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from subnetdp.core.contracts import DataSpec
 from subnetdp.core.errors import ConfigError
-from subnetdp.plugins.models.swin import SwinAdapter, SwinConfig
+from subnetdp.plugins.models.swin.adapter import SwinAdapter, SwinConfig
 from tests.helpers import assert_pieces_at_global_coordinates
 
 SMALL = {"variant": "cifar", "patch_size": 2, "window_size": 2, "embed_dim": 16, "depths": [2, 2],

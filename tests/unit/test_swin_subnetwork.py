@@ -13,7 +13,7 @@ from torchvision.models.swin_transformer import SwinTransformerBlock
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import DataSpec
 from subnetdp.core.errors import ConfigError
-from subnetdp.plugins.models.swin import VARIANTS, SwinAdapter, SwinConfig, build_reference
+from subnetdp.plugins.models.swin.adapter import VARIANTS, SwinAdapter, SwinConfig, build_reference
 from tests.helpers import plugin_manager
 
 SMALL = {"variant": "cifar", "patch_size": 2, "window_size": 2, "embed_dim": 16, "depths": [2, 4, 2],

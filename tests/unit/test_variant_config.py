@@ -8,7 +8,7 @@ import pytest
 
 from subnetdp import cli
 from subnetdp.core.errors import ConfigError
-from subnetdp.core.variants import rescale_enabled
+from subnetdp.sdp.variants import rescale_enabled
 from tests.helpers import small_config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from subnetdp.core.config import compose
-from subnetdp.core.loop import _build_plan
+from subnetdp.train.loop import _build_plan
 from subnetdp.plugins.data.cifar import Cifar100Data, CifarData
 from subnetdp.plugins.data.imagenet import ImageNetData
 from tests.helpers import plugin_manager

@@ -20,7 +20,7 @@ from subnetdp.core.hookspecs import hookimpl
 from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, units_kept
 
 if TYPE_CHECKING:
-    from subnetdp.core.loop import Run
+    from subnetdp.train.loop import Run
     from subnetdp.core.plugins import Registry
 
 NAME = "strided"  # what a config selects: masker.name=strided

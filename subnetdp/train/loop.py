@@ -16,15 +16,15 @@ from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
                                      ParamMap, Partition)
 from subnetdp.core.errors import ConfigError, RankMismatchError
-from subnetdp.core.metrics import (RunLogger, bytes_by_group, group_label, live_state_bytes,
+from subnetdp.train.meter import (RunLogger, bytes_by_group, group_label, live_state_bytes,
                                    plan_figure, tensor_digest, training_state_tensors, write_json)
-from subnetdp.core.optim import build_optimizer, build_schedule
+from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.resume import Checkpointer
-from subnetdp.core.sync import OwnerGroupAverager, clip_to
-from subnetdp.core.union import assemble_union, evaluate
-from subnetdp.core.variants import is_backward, local_model, partition_model
+from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.sdp.sync import OwnerGroupAverager, clip_to
+from subnetdp.sdp.union import assemble_union, evaluate
+from subnetdp.sdp.variants import is_backward, local_model, partition_model
 
 
 @dataclass
@@ -311,7 +311,7 @@ def _refresher(run: Run) -> Any:
     """Backward masking: the broadcaster of owners' values (None for forward masking)."""
     if not is_backward(run.cfg.masker):
         return None
-    from subnetdp.core.backward import Refresher
+    from subnetdp.sdp.backward import Refresher
 
     return Refresher(run.model, run.pmap, run.plan, run.partition, run.comm,
                      int(run.cfg.masker.refresh_every), float(run.cfg.sync.bucket_cap_mb))
@@ -322,7 +322,7 @@ def _resampler(run: Run) -> Any:
     every = int(getattr(run.cfg.masker, "resample_every", 0) or 0)
     if every <= 0:
         return None
-    from subnetdp.core.resample import Resampler
+    from subnetdp.sdp.resample import Resampler
 
     return Resampler(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan, run.cfg.masker,
                      run.comm, every)

@@ -25,7 +25,7 @@ Neuron level (``masker.granularity=neuron``): each block's SwiGLU hidden dimensi
 ``masker.units_per_layer`` equal ranges ``[a, b)``, one unit each, one group per layer
 (``layers.i.feed_forward``), with slices ``TensorSlice("layers.i.feed_forward.w1.weight", 0, a, b)``
 and ``...w3.weight", 0, a, b)`` (rows of gate and up) and ``...w2.weight", 1, a, b)`` (columns of
-down); everything else is shared. See :mod:`subnetdp.plugins.models._llama_neurons`.
+down); everything else is shared. See :mod:`subnetdp.plugins.models.llama.neurons`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMa
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import assemble_partition, identity_param_map, make_block_unit
-from subnetdp.plugins.models._llama_neurons import materialize_neurons, neuron_partition
+from subnetdp.plugins.models.llama.neurons import materialize_neurons, neuron_partition
 
 DEFAULT_VOCAB = 32_000
 

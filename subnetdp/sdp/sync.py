@@ -1,7 +1,7 @@
 """Owner-group gradient averaging.
 
 Every parameter piece of a rank's model belongs to a unit (owned by ``plan.owners(u)``) or is shared
-(owned by the world). The pieces are the :class:`~subnetdp.core.layout.Item` list, computed from the
+(owned by the world). The pieces are the :class:`~subnetdp.sdp.pieces.Item` list, computed from the
 partition and the plan alone, so every owner of a piece packs it at the same bucket offset whatever
 its local layout.
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
-from subnetdp.core.layout import Item, LocalIndex, global_items
+from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 
 

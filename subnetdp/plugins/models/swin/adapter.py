@@ -18,7 +18,7 @@ architecture key (``patch_size``, ``window_size``, ``embed_dim``, ``depths``, ``
 
 Neuron level (``masker.granularity=neuron``): units are ``masker.units_per_layer`` equal ranges of
 each block's MLP hidden dimension, one group ``features.s.b.mlp`` per block; a subnetwork's MLPs are
-physically narrower (see :mod:`subnetdp.plugins.models._swin_neurons`).
+physically narrower (see :mod:`subnetdp.plugins.models.swin.neurons`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
-from subnetdp.plugins.models._swin_neurons import materialize_neurons, neuron_partition
+from subnetdp.plugins.models.swin.neurons import materialize_neurons, neuron_partition
 
 # torchvision's swin_t / swin_s / swin_b, plus a small configuration for 32x32 inputs.
 VARIANTS: dict[str, dict[str, Any]] = {

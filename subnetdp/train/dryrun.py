@@ -5,7 +5,7 @@ there, which costs no memory and no initialisation and runs an initialiser's dat
 (``trunc_normal_``'s rejection loop) as a no-op; its parameters and buffers then become fake CPU
 tensors of the same shapes, dtypes and strides (tied tensors stay tied), and it is trained for two
 steps under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, which gives every tensor a
-shape and no storage. The second step runs inside :class:`~subnetdp.core.metrics.TensorMemoryTracker`, the
+shape and no storage. The second step runs inside :class:`~subnetdp.train.meter.TensorMemoryTracker`, the
 same tracker and the same baseline (parameters, buffers, gradients, gradient buckets, optimizer
 state) the training loop uses on a CPU, so the estimate is the step the loop measures. Collectives
 go to :class:`DryRunCommunicator`, which does nothing but count the payload.
@@ -20,11 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.contracts import (Communicator, DataSpec, DoneHandle, Handle, LaunchEnv, ModelAdapter, ParamMap,
                                      Partition)
-from subnetdp.core.metrics import TensorMemoryTracker, live_state_bytes, training_state_tensors
-from subnetdp.core.optim import build_optimizer
+from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.train.optim import build_optimizer
 from subnetdp.core.plan import MaskPlan
-from subnetdp.core.sync import OwnerGroupAverager
-from subnetdp.core.variants import is_backward, local_model
+from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.variants import is_backward, local_model
 
 
 class DryRunCommunicator(Communicator):
@@ -166,7 +166,7 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
                                       int(cfg.sync.max_groups))
         refresher = None
         if is_backward(cfg.masker):
-            from subnetdp.core.backward import Refresher
+            from subnetdp.sdp.backward import Refresher
 
             refresher = Refresher(model, pmap, plan, partition, comm, 1, float(cfg.sync.bucket_cap_mb))
         accum, clip = int(cfg.train.grad_accum), float(cfg.optim.clip_grad_norm)

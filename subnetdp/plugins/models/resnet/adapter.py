@@ -29,7 +29,7 @@ from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
-from subnetdp.plugins.models._resnet_neurons import STAGES, materialize_neurons, neuron_partition
+from subnetdp.plugins.models.resnet.neurons import STAGES, materialize_neurons, neuron_partition
 
 VARIANTS = ("resnet18", "resnet34", "resnet50")
 

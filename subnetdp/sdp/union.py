@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, DataModule, DataSpec, ModelAdapter, ParamMap, Partition
-from subnetdp.core.layout import Item, LocalIndex, global_items
+from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 
 
@@ -17,7 +17,7 @@ def assemble_union(adapter: ModelAdapter, spec: DataSpec, seed: int, partition: 
                    model: nn.Module, pmap: ParamMap, comm: Communicator) -> nn.Module | None:
     """Rank 0 gets the full model: parameters from ``min(owners)``, float buffers averaged among owners.
 
-    Works piece by piece (:func:`~subnetdp.core.layout.global_items`), so neuron-level slices held in
+    Works piece by piece (:func:`~subnetdp.sdp.pieces.global_items`), so neuron-level slices held in
     different local layouts land at their global coordinates. Collective: every rank calls it.
     Returns the union model (on CPU) on rank 0, None elsewhere. The ranks' own copies are untouched.
     """

@@ -1,6 +1,6 @@
 """The dry run of a sharded rank (``fsdp.shard_size > 1``) for ``subnetdp plan``.
 
-As :mod:`subnetdp.core.dryrun`, but the rank's subnetwork goes through the real activation
+As :mod:`subnetdp.train.dryrun`, but the rank's subnetwork goes through the real activation
 checkpointing and FSDP2 ``fully_shard`` over a real device mesh, in this one process posing as rank
 ``r`` of W through torch's *fake* process group (its collectives return at once and move nothing).
 The step runs under ``FakeTensorMode`` inside :class:`~subnetdp.parallel.fsdp.ShardedMemoryTracker`,
@@ -20,9 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from subnetdp.core.contracts import DataSpec, Handle, ModelAdapter, Partition
-from subnetdp.core.dryrun import DryRunCommunicator, fake_rank_model
-from subnetdp.core.metrics import live_state_bytes, training_state_tensors
-from subnetdp.core.optim import build_optimizer
+from subnetdp.train.dryrun import DryRunCommunicator, fake_rank_model
+from subnetdp.train.meter import live_state_bytes, training_state_tensors
+from subnetdp.train.optim import build_optimizer
 from subnetdp.core.plan import MaskPlan
 from subnetdp.parallel.fsdp import (CollectiveBytes, ShardedMemoryTracker, ShardedOwnerAverager, apply_fsdp,
                                     local, mixed_precision)

@@ -89,8 +89,8 @@ class Resampler:
         """
         import torch
 
-        from subnetdp.core.layout import LocalIndex, global_items
-        from subnetdp.core.variants import local_model
+        from subnetdp.sdp.pieces import LocalIndex, global_items
+        from subnetdp.sdp.variants import local_model
 
         new_plan = draw(self.base, self.partition, self.seed, step // self.every, group_by_of(self.mcfg))
         torch.manual_seed(self.seed)

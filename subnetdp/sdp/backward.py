@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, ParamMap, Partition, Piece, TensorSlice
-from subnetdp.core.layout import Item, LocalIndex, global_items
+from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 
 

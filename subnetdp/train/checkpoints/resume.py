@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from subnetdp.core import checkpoint as ck
+from subnetdp.train.checkpoints import files as ck
 from subnetdp.core import config as config_mod
 from subnetdp.core.errors import CheckpointError, NonFiniteError, SubnetdpError
 
@@ -63,7 +63,7 @@ class Checkpointer:
     """Saves this rank's part of every checkpoint and restores it on resume.
 
     Args:
-        run: the :class:`~subnetdp.core.loop.Run` (model, plan, partition, comm, config, run_dir).
+        run: the :class:`~subnetdp.train.loop.Run` (model, plan, partition, comm, config, run_dir).
         optimizer, scheduler, loader: the state that is saved besides the tensors.
     """
 

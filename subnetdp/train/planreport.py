@@ -2,7 +2,7 @@
 
 The report holds the ranks x units ownership table, owner counts, the connectivity and spectral gap
 of the averaging graph, and per rank: parameters held, compute cost, and the peak memory and bytes
-per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.core.dryrun`).
+per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.train.dryrun`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from subnetdp.core.dryrun import estimate_rank
+from subnetdp.train.dryrun import estimate_rank
 
 
 def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True) -> dict[str, Any]:
     """Everything ``subnetdp plan`` shows, as a JSON-ready dict."""
-    from subnetdp.core.loop import _build_plan
+    from subnetdp.train.loop import _build_plan
 
     data, spec, adapter, full, partition, plan = _build_plan(cfg, world_size, pm)
     del full
@@ -29,7 +29,7 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     estimator = estimate_rank
     if shard > 1:
         report["fsdp_shard_size"] = shard
-        from subnetdp.parallel.dryrun import estimate_sharded_rank  # FSDP2 over torch's fake process group
+        from subnetdp.train.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
 
         estimator = estimate_sharded_rank
     ranks = []

@@ -3,7 +3,7 @@
 - B-SDP / N-SDP (``masker.regime=forward``): the adapter materialises the rank's subnetwork (dropped
   blocks compute their shortcut; narrowed layers are physically narrower).
 - Bb-SDP / Nb-SDP (``masker.regime=backward``): the full model, with non-owned units frozen or split
-  off (:mod:`subnetdp.core.backward`), refreshed from their owners every ``masker.refresh_every`` steps.
+  off (:mod:`subnetdp.sdp.backward`), refreshed from their owners every ``masker.refresh_every`` steps.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from subnetdp.core.backward import apply_backward_masking
+from subnetdp.sdp.backward import apply_backward_masking
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ParamMap, Partition
 
 
