@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from subnetdp.cli import main
 from subnetdp.core.errors import ConfigError
-from subnetdp.data_prep import BPETokenizer, ByteTokenizer
+from subnetdp.plugins.data._prepare import BPETokenizer, ByteTokenizer
 from subnetdp.plugins.data._token_shards import HEADER_BYTES, open_shard, write_shard
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 

@@ -160,7 +160,7 @@ class TokensData(DataModule):
         if self._root is None:
             root = str(self.cfg.root)
             if root in ("", "stdlib"):
-                from subnetdp.data_prep import build_stdlib_corpus
+                from subnetdp.plugins.data._prepare import build_stdlib_corpus
 
                 c = self.cfg
                 name = (f"stdlib-py{sysconfig.get_python_version()}-{c.tokenizer}"
