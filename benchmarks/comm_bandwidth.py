@@ -87,7 +87,7 @@ def bytes_per_step(gloo, rank: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from subnetdp.train.loop import _build_plan
+    from subnetdp.train.loop import build_plan
     from subnetdp.core.plugins import PluginManager
     from subnetdp.core.config import compose
     from subnetdp.core.plan import make_plan
@@ -101,7 +101,7 @@ def bytes_per_step(gloo, rank: int) -> dict:
                        pm.registries)
 
     # DDP: every gradient bucket its comm hook sees is what it hands to the all-reduce.
-    data, spec, adapter, full, partition, plan = _build_plan(config(1.0), 2, pm)
+    data, spec, adapter, full, partition, plan = build_plan(config(1.0), 2, pm)
     batch = next(iter(data.train_loader(rank, 2, 16)))
     counted = [0]
 
@@ -120,7 +120,7 @@ def bytes_per_step(gloo, rank: int) -> dict:
     out["full_model_param_bytes"] = full_bytes
 
     for coverage in (1.0, 0.5):
-        data, spec, adapter, full, partition, plan = _build_plan(config(coverage), 2, pm)
+        data, spec, adapter, full, partition, plan = build_plan(config(coverage), 2, pm)
         model, pmap = adapter.materialize(full, plan.owned[rank], partition)
         averager = OwnerGroupAverager(model, pmap, plan, partition, gloo)
         before = dict(gloo.bytes.by_group)

@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from subnetdp.core.config import compose
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import units_kept
 from subnetdp.core.plugins import PluginManager

@@ -68,7 +68,7 @@ import llama_memory  # noqa: E402  (benchmarks/ is not a package)
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import DataSpec  # noqa: E402
 from subnetdp.core.errors import PlanError  # noqa: E402
-from subnetdp.train.meter import live_state_bytes, training_state_tensors  # noqa: E402
+from subnetdp.parallel.memory import live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.train.optim import build_optimizer  # noqa: E402
 from subnetdp.core.plan import make_plan  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
@@ -76,7 +76,7 @@ from subnetdp.sdp.sync import OwnerGroupAverager  # noqa: E402
 from subnetdp.parallel.fsdp import ShardedMemoryTracker as ShardTracker  # noqa: E402
 from subnetdp.parallel.checkpointing import apply_ac  # noqa: E402
 from subnetdp.parallel.fsdp import CollectiveBytes, ShardedOwnerAverager, apply_fsdp, mixed_precision  # noqa: E402
-from subnetdp.train.dryrun_fsdp import FakeGroupCommunicator as FakeCommunicator  # noqa: E402
+from subnetdp.parallel.dryrun_comm import FakeGroupCommunicator as FakeCommunicator  # noqa: E402
 
 RESULTS, GiB, MiB = llama_memory.RESULTS, llama_memory.GiB, 2**20
 WORLD = 8

@@ -26,9 +26,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.config import compose
-from subnetdp.train.dryrun import DryRunCommunicator
+from subnetdp.parallel.dryrun_comm import DryRunCommunicator
 from subnetdp.core.contracts import DataSpec
-from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
 from subnetdp.core.plan import make_plan
 from subnetdp.core.plugins import PluginManager

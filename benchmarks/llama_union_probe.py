@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
-from subnetdp.train.loop import _train, setup  # noqa: E402
+from subnetdp.train.loop import train_loop, setup  # noqa: E402
 from subnetdp.sdp.union import assemble_union, evaluate  # noqa: E402
 from tests.helpers import plugin_manager, run_ranks  # noqa: E402
 
@@ -52,7 +52,7 @@ def worker(rank: int, world: int, init_method: str, cache: str, steps: int) -> d
     pm = plugin_manager()
     run = setup(cfg, LaunchEnv(rank, world, rank, world, "probe"), pm)
     try:
-        _train(run, pm)
+        train_loop(run, pm)
         out = {"owned": run.plan.owned[rank], "own_subnetwork": evaluate(copy.deepcopy(run.model), run.adapter, run.data, cfg)}
         # collective: every rank takes part in assembling the union model on rank 0.
         union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model,

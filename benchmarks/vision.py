@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
-from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
+from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.train.optim import build_optimizer, build_schedule  # noqa: E402
 from subnetdp.core.plan import make_plan  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402

@@ -8,13 +8,17 @@ under the plugin's group key (``masker``, ``comm``, ``model``, ``data``) when it
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Iterator, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from omegaconf import DictConfig
 
     from subnetdp.core.plan import MaskPlan
 
@@ -280,24 +284,43 @@ class DoneHandle(Handle):
 
 @dataclass
 class ByteCounter:
-    """Payload bytes handed to collectives, per group (sorted rank tuple)."""
+    """Payload bytes handed to collectives, per group (sorted rank tuple) and phase.
+
+    ``by_group`` holds the training step's traffic (phase ``"step"``: the gradient averaging); a
+    collective issued inside ``with counter.phase(name):`` (the inf/NaN guard, the refresh, the
+    evaluation, the loss shown in the log) is kept apart in ``by_phase[name]``, so no caller has to
+    save and restore the step's figures around its own traffic.
+    """
 
     by_group: dict[tuple[int, ...], int] = field(default_factory=dict)
+    by_phase: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
     calls: int = 0
+    current: str = "step"
 
     def add(self, group: tuple[int, ...], nbytes: int) -> None:
-        self.by_group[group] = self.by_group.get(group, 0) + nbytes
+        into = self.by_group if self.current == "step" else self.by_phase.setdefault(self.current, {})
+        into[group] = into.get(group, 0) + nbytes
         self.calls += 1
 
-    def total(self) -> int:
-        return sum(self.by_group.values())
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the collectives issued inside the block under ``name`` instead of the step's."""
+        before, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def total(self, phase: str = "step") -> int:
+        return sum((self.by_group if phase == "step" else self.by_phase.get(phase, {})).values())
 
     def ring_estimate(self) -> float:
-        """Bytes a ring all-reduce puts on the wire per rank: ``2 (k-1)/k`` times the payload."""
+        """Bytes a ring all-reduce puts on the wire per rank: ``2 (k-1)/k`` times the payload (step phase)."""
         return sum(2 * (len(g) - 1) / len(g) * b for g, b in self.by_group.items() if len(g) > 1)
 
     def reset(self) -> None:
         self.by_group.clear()
+        self.by_phase.clear()
         self.calls = 0
 
 
@@ -309,6 +332,8 @@ class Communicator(Plugin, abc.ABC):
     """
 
     Config: ClassVar[type] = CommConfig
+    #: Its groups are ``torch.distributed`` process groups, which FSDP2 shards over (``fsdp.shard_size > 1``).
+    supports_fsdp: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, env: LaunchEnv) -> None:
         super().__init__(cfg)
@@ -457,3 +482,84 @@ class ResumableLoader(abc.ABC):
 def config_fields(cfg_cls: type) -> list[str]:
     """The field names of a plugin ``Config`` dataclass."""
     return [f.name for f in dataclasses.fields(cfg_cls)]
+
+
+# --------------------------------------------------------------------------- the synchroniser and a run
+
+
+class GradSynchronizer(Protocol):
+    """What the step asks of a gradient synchroniser (``OwnerGroupAverager``, ``ShardedOwnerAverager``).
+
+    Per step: :meth:`prepare`, the micro-batches' backward (all but the last inside :meth:`no_sync`),
+    :meth:`carry` of the inf/NaN flags, :meth:`finish` (collective: owner groups average), then
+    :meth:`grad_norm` / :meth:`scale_grads_` for clipping.
+    """
+
+    dense: bool
+    replicated: bool
+
+    def prepare(self) -> None:
+        """Drop the last step's gradients (before the memory baseline of a measured step)."""
+
+    def no_sync(self) -> ContextManager[None]:
+        """Accumulate gradients locally: no collective inside the block."""
+
+    def carry(self, flags: "torch.Tensor") -> bool:
+        """Let ``flags`` (float64, one per rank) ride along this step's collectives; False if it cannot."""
+
+    def carried(self) -> "Optional[torch.Tensor]":
+        """The world's sum of the carried flags, after :meth:`finish`."""
+
+    def finish(self) -> None:
+        """Average this step's gradients over each unit's owners. Collective."""
+
+    def local_grads(self) -> "list[torch.Tensor]":
+        """This rank's (averaged, after :meth:`finish`) gradients."""
+
+    def grad_norm(self, flags: "Optional[torch.Tensor]" = None) -> float:
+        """Norm of the averaged full-model gradient, each unit once; ``flags`` are summed over the world."""
+
+    def scale_grads_(self, coef: float) -> None:
+        """Multiply every gradient by ``coef`` in place."""
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip to ``max_norm``; returns the norm before clipping."""
+
+    def bytes_per_step(self) -> int:
+        """Payload this rank hands to gradient collectives per step."""
+
+    def state_tensors(self) -> "list[torch.Tensor]":
+        """Persistent buffers, for memory accounting."""
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (before the plan is re-drawn)."""
+
+    def owner_groups(self) -> "list[tuple[int, ...]]":
+        """The owner sets this rank averages with."""
+
+
+@dataclass
+class Run:
+    """The handles of one running (or finished) training run; handed to lifecycle hooks."""
+
+    cfg: "DictConfig"
+    env: LaunchEnv
+    comm: "Communicator"
+    adapter: "ModelAdapter"
+    data: "DataModule"
+    spec: DataSpec
+    partition: Partition
+    plan: "MaskPlan"
+    model: "nn.Module"
+    pmap: ParamMap
+    run_dir: Path
+    optimizer: "Optional[torch.optim.Optimizer]" = None
+    averager: Optional[GradSynchronizer] = None
+    parallel: Any = None  # subnetdp.parallel.apply.Parallelism (a floor above this one)
+    step: int = 0
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank

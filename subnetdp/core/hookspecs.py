@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from subnetdp.train.loop import Run
+    from subnetdp.core.contracts import Run
     from subnetdp.core.plugins import Registry
 
 PROJECT = "subnetdp"

@@ -68,7 +68,7 @@ class Parallelism:
             from subnetdp.parallel.fsdp import ShardedMemoryTracker
 
             return ShardedMemoryTracker(baseline)
-        from subnetdp.train.meter import TensorMemoryTracker
+        from subnetdp.parallel.memory import TensorMemoryTracker
 
         return TensorMemoryTracker(baseline)
 

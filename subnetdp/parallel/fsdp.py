@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
-from subnetdp.train.meter import TensorMemoryTracker
+from subnetdp.parallel.memory import TensorMemoryTracker
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import clip_to, world_norm
 

@@ -1,88 +1,93 @@
-"""Measurements (tensor memory, bytes) and the run's outputs (TensorBoard, metrics.jsonl).
+"""The run's measurements (:class:`Meter`) and outputs: TensorBoard, metrics.jsonl, summaries, digests.
 
-Memory on a GPU is the CUDA allocator's peak. On a CPU it is measured by
-:class:`TensorMemoryTracker`, a dispatch-level tracker that counts every tensor storage once when an
-operator creates it and subtracts it when it is freed; it sees every tensor torch allocates but not
-the buffers a communication library keeps for itself.
+Tensor memory on a CPU is measured by :class:`subnetdp.parallel.memory.TensorMemoryTracker`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import weakref
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from subnetdp.core.contracts import Communicator
+from subnetdp.parallel.memory import live_state_bytes
 
 
-class TensorMemoryTracker(TorchDispatchMode):
-    """Peak bytes of tensor storages created inside the ``with`` block, plus a baseline.
+class Meter:
+    """Bytes by owner group and phase, peak memory and step time of one rank's run, in one object.
 
-    Args:
-        baseline: bytes already live when the block starts (parameters, gradients, optimizer state),
-            see :func:`live_state_bytes`.
+    The communicator feeds it (its byte counter keeps the step's gradient traffic apart from the
+    guard's, the refresh's, the evaluation's and the log's by phase), the parallelism feeds it
+    (FSDP's own all-gathers and reduce-scatters, counted on the measured step), and the loop asks
+    it for a step's figures. Every step moves the same bytes, so memory and FSDP's bytes are
+    measured on one step (``train.memory_step``): measuring slows that step, which is therefore kept
+    out of the step times.
     """
 
-    def __init__(self, baseline: int = 0) -> None:
-        super().__init__()
-        self.baseline = baseline
-        self.current = baseline
-        self.peak = baseline
-        self._live: dict[int, int] = {}
+    def __init__(self, comm: Communicator, parallel: Any, first: int, steps: int, memory_step: int) -> None:
+        self.comm, self.parallel, self.first = comm, parallel, first
+        self.measured_step = min(max(memory_step, first), steps)
+        self.step_times: list[float] = []
+        self.last_step_time = 0.0
+        self.peak_cpu = 0
+        self._groups_at_start = dict(comm.bytes.by_group)
+        self._refresh_at_start = comm.bytes.total("refresh")
+        self._ring_at_start = comm.bytes.ring_estimate()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        # An output that shares storage with an input (in-place ops, views, out=) allocated nothing:
-        # that storage is either counted already or part of the baseline.
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self._track(t)
+    @contextlib.contextmanager
+    def step(self, step: int, state: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
+        """Time the step; on the measured step, its peak tensor memory (CPU) and FSDP's bytes too.
+
+        ``state`` gives the tensors that live across steps (the memory baseline).
+        """
+        probe = step == self.measured_step
+        measure = self.comm.device.type == "cpu" and probe
+        t0 = time.perf_counter()
+        tracker = self.parallel.memory_tracker(live_state_bytes(state())) if measure else contextlib.nullcontext()
+        with tracker, self.parallel.counting(probe):  # FSDP's all-gathers and reduce-scatters, when sharded
+            yield
+        self.last_step_time = time.perf_counter() - t0
+        if measure or (probe and self.parallel.sharded):
+            self.peak_cpu = tracker.peak if measure else 0
+        else:
+            self.step_times.append(self.last_step_time)
+
+    def group_bytes(self) -> dict[tuple[int, ...], int]:
+        """Gradient payload per owner group since the first step of this process."""
+        start = self._groups_at_start
+        return {g: n - start.get(g, 0) for g, n in self.comm.bytes.by_group.items()}
+
+    def bytes_per_step(self, done: int) -> tuple[float, float]:
+        """Payload and ring wire estimate per step over ``done`` steps: averaging, refresh and FSDP's own."""
+        b, par = self.comm.bytes, self.parallel
+        refresh = b.total("refresh") - self._refresh_at_start
+        payload = sum(self.group_bytes().values()) + refresh
+        wire = b.ring_estimate() - self._ring_at_start + refresh  # a broadcast's payload is its wire bytes
+        return payload / done + par.fsdp_bytes, wire / done + par.fsdp_wire
+
+    def mean_step_time(self, window: int) -> float:
+        times = self.step_times[-window:] or [self.last_step_time]
+        return sum(times) / len(times)
+
+    def peak_memory(self) -> int:
+        """The measured step's tensor peak on a CPU; the CUDA allocator's peak on a GPU."""
+        device = self.comm.device
+        return self.peak_cpu or (int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0)
+
+    def rank_scalars(self, step: int) -> dict[str, float]:
+        """The per-rank figures a log step shows."""
+        done = step - self.first + 1
+        sent, wire = self.bytes_per_step(done)
+        out = {"rank/bytes_sent_per_step": sent, "rank/wire_bytes_per_step": wire,
+               "rank/peak_memory_bytes": self.peak_memory()}
+        out.update({f"rank/bytes_by_group/{group_label(g)}": n / done for g, n in self.group_bytes().items()})
         return out
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self._live:
-            return
-        nbytes = storage.nbytes()
-        self._live[key] = nbytes
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-
-def live_state_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
-
-
-def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                           extra: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
-    """Parameters, buffers, gradients and optimizer state: what lives across steps.
-
-    Sharded tensors (FSDP2's DTensors) count with this rank's shard.
-    """
-    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
-    out += [p.grad for p in model.parameters() if p.grad is not None]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    out += list(extra)
-    return [t.to_local() if hasattr(t, "to_local") else t for t in out]
 
 
 class RunLogger:

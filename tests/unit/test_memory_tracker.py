@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes
+from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes
 
 
 def test_tracker_counts_storages_once_and_frees():
