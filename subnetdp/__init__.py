@@ -1,3 +1,26 @@
-"""subnetdp: Subnetwork Data Parallelism for PyTorch."""
+"""subnetdp: Subnetwork Data Parallelism for PyTorch.
+
+The public API: everything a plugin author imports (``examples/plugin-template`` uses only this).
+It is the contract layer (:mod:`subnetdp.core`) and nothing above it; ``tests/unit/test_public_api.py``
+freezes it, so a change here is deliberate.
+"""
+
+from subnetdp.core.contracts import (CommConfig, Communicator, DataConfig, DataModule, DataSpec, DoneHandle,
+                                     GradSynchronizer, Handle, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
+                                     ModelConfig, ParamMap, Partition, Piece, ResumableLoader, Run, TensorSlice,
+                                     Unit)
+from subnetdp.core.errors import (CheckpointError, ConfigError, NonFiniteError, PlanError, RankMismatchError,
+                                  SubnetdpError, suggest)
+from subnetdp.core.hookspecs import hookimpl
+from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, units_kept
+from subnetdp.core.plugins import Registry
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "CommConfig", "Communicator", "ConfigError", "DataConfig", "DataModule", "DataSpec",
+    "DoneHandle", "GROUP_BY", "GradSynchronizer", "Handle", "LaunchEnv", "MaskPlan", "Masker", "MaskerConfig",
+    "ModelAdapter", "ModelConfig", "NonFiniteError", "ParamMap", "Partition", "Piece", "PlanError",
+    "RankMismatchError", "Registry", "ResumableLoader", "Run", "SubnetdpError", "TensorSlice", "Unit",
+    "group_units", "hookimpl", "suggest", "units_kept",
+]

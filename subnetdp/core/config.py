@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.plan import GROUP_BY
 
 PLUGIN_GROUPS = ("model", "masker", "comm", "data")
 
@@ -116,6 +117,7 @@ class RunConfig:
 CHOICES = {
     "masker.granularity": ("block", "neuron"),
     "masker.regime": ("forward", "backward"),
+    "masker.group_by": GROUP_BY,  # every masker shares the key: checked here, once
     "optim.name": ("sgd", "adamw", "adam"),
     "optim.schedule": ("cosine", "constant"),
     "train.precision": ("fp32", "bf16"),
@@ -322,7 +324,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "launch.threads_per_rank", 0, None)
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
-    _check_fsdp(cfg)
+    _check_fsdp(cfg, registries["comm"].get(cfg.comm.name))
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
@@ -336,7 +338,7 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     _check_range(cfg, "checkpoint.every", 0, None, fix="0 saves only at the end")
     _check_range(cfg, "checkpoint.keep", 0, None, fix="0 keeps every checkpoint")
     resume = str(cfg.resume)
-    if resume != "never" and int(OmegaConf.select(cfg, "masker.resample_every", default=0) or 0) > 0:
+    if resume != "never" and int(cfg.masker.resample_every) > 0:
         raise ConfigError("resume", resume, f"runs whose plan is re-drawn (masker.resample_every="
                           f"{cfg.masker.resample_every}) cannot be resumed in this release",
                           "use resume=never, or masker.resample_every=0")
@@ -349,7 +351,7 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
 
 
-def _check_fsdp(cfg: DictConfig) -> None:
+def _check_fsdp(cfg: DictConfig, comm: Any) -> None:
     """``fsdp.shard_size > 1`` composes with forward, block-level masking over torch.distributed only."""
     _check_range(cfg, "fsdp.shard_size", 1, None, fix="1 turns FSDP off")
     size = int(cfg.fsdp.shard_size)
@@ -359,11 +361,11 @@ def _check_fsdp(cfg: DictConfig) -> None:
              ("masker.regime", "forward", "backward masking broadcasts whole units, which FSDP holds in shards"),
              ("masker.resample_every", 0, "a re-drawn plan would have to re-shard the blocks"))
     for key, want, why in needs:
-        value = OmegaConf.select(cfg, key, default=want)
+        value = OmegaConf.select(cfg, key)
         if value != want:
             raise ConfigError(key, value, f"fsdp.shard_size={size} needs {key}={want}: {why}",
                               f"set {key}={want}, or fsdp.shard_size=1")
-    if cfg.comm.name not in ("gloo", "nccl"):
+    if not comm.supports_fsdp:
         raise ConfigError("comm.name", cfg.comm.name, f"fsdp.shard_size={size} needs torch.distributed process "
                           "groups (FSDP2 all-gathers and reduce-scatters through them)",
                           "use comm.name=gloo (CPU) or comm.name=nccl (GPU)")
@@ -384,8 +386,7 @@ def _check_masker_counts(cfg: DictConfig) -> None:
     for key, lo, fix in (("units_per_layer", 1, "the default is 8"),
                          ("refresh_every", 1, "1 refreshes non-owned copies after every step"),
                          ("resample_every", 0, "0 keeps the plan fixed")):
-        if OmegaConf.select(cfg, f"masker.{key}") is not None:
-            _check_range(cfg, f"masker.{key}", lo, None, fix=fix)
+        _check_range(cfg, f"masker.{key}", lo, None, fix=fix)
 
 
 def to_yaml(cfg: DictConfig) -> str:

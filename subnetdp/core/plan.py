@@ -235,7 +235,7 @@ def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: i
     import copy
 
     requested = float(masker.cfg.coverage)
-    groups = group_units(partition, str(getattr(masker.cfg, "group_by", "auto")))
+    groups = group_units(partition, str(masker.cfg.group_by))
     candidates = sorted({n / len(g) for g in groups.values() for n in range(1, len(g) + 1) if n / len(g) > requested})
     hints = []
     for c in candidates:
@@ -261,5 +261,5 @@ def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, m
     plan.validate(min_owners, names, hint=lambda: _coverage_hint(masker, partition, world_size, seed, min_owners))
     if min_owners > world_size:
         raise PlanError(f"masker.min_owners={min_owners} exceeds the world size {world_size}")
-    plan.warn_coverage(partition, float(masker.cfg.coverage), str(getattr(masker.cfg, "group_by", "auto")))
+    plan.warn_coverage(partition, float(masker.cfg.coverage), str(masker.cfg.group_by))
     return plan

@@ -87,7 +87,22 @@ class PluginManager:
             self._load_entry_points()
         for obj in extra:
             self.pm.register(obj)
+        self.check_pending()
         self.registries = {kind: self._collect(kind) for kind in KIND_BASES}
+
+    def check_pending(self) -> None:
+        """Refuse a hook implementation whose name is no hook specification (a misspelled hook).
+
+        pluggy would otherwise never call it, silently.
+        """
+        known = sorted(n for n in dir(hookspecs) if n.startswith(hookspecs.PROJECT + "_"))
+        for name in dir(self.pm.hook):
+            caller = getattr(self.pm.hook, name)
+            if name.startswith("_") or not hasattr(caller, "get_hookimpls") or caller.spec is not None:
+                continue
+            for impl in caller.get_hookimpls():
+                raise SubnetdpError(f"plugin '{impl.plugin_name}' implements '{name}', which is no subnetdp hook; "
+                                    f"hooks: {', '.join(known)}" + suggest(name, known))
 
     @property
     def hook(self) -> Any:

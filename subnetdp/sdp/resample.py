@@ -57,7 +57,7 @@ def family(plan: MaskPlan, partition: Partition, group_by: str = "auto") -> list
 
 
 def group_by_of(mcfg: Any) -> str:
-    return str(getattr(mcfg, "group_by", "auto"))
+    return str(mcfg.group_by)
 
 
 class Resampler:

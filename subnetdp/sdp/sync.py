@@ -23,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
+from subnetdp.core.errors import NonFiniteError
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
 
@@ -424,3 +425,80 @@ def world_norm(comm: Communicator, local_squares: torch.Tensor, flags: torch.Ten
     if flags is not None:
         flags.copy_(both[1:])
     return math.sqrt(float(both[0]))
+
+
+class NonFiniteGuard:
+    """The synchroniser's inf/NaN guard: a step whose loss or gradients are not finite on any rank.
+
+    The loss flags ride with the gradients (:meth:`carry`, in the bucket that goes to the whole
+    world); the gradient flags ride in the gradient-norm all-reduce when the norm is needed (the
+    norm is then the gradient check: one pass over the gradients, not two), or in one small
+    all-reduce of their own. At C = 1 every rank holds the same averaged gradient, so its own check
+    is everyone's and no collective is issued. The guard's scalars are counted in phase ``"guard"``.
+
+    Args:
+        comm: the communicator.
+        policy: ``train.on_nonfinite``: ``stop`` raises :class:`NonFiniteError` on every rank,
+            ``skip`` skips the update (rank 0 prints a warning).
+        last_good: gives the last good checkpoint (for the error message), or None.
+    """
+
+    def __init__(self, comm: Communicator, policy: str = "stop", last_good: Callable[[], Any] = lambda: None) -> None:
+        self.comm, self.policy, self.last_good = comm, policy, last_good
+
+    def carry(self, sync: Any, loss: torch.Tensor) -> None:
+        """Hand this rank's "loss is not finite" flag to the synchroniser, before the last backward.
+
+        No host synchronisation happens here.
+        """
+        flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=loss.device)
+        flags[self.comm.rank] = (~torch.isfinite(loss)).any().float()
+        sync.carry(flags)
+
+    def check(self, step: int, sync: Any, loss: torch.Tensor, need_norm: bool) -> tuple[bool, float | None]:
+        """Whether every rank's loss and averaged gradients are finite; and the gradient norm if asked.
+
+        Collective below C = 1 (every rank calls it once per step).
+        """
+        comm, world = self.comm, self.comm.world_size
+        flags = torch.zeros(world, dtype=torch.float64, device=loss.device)
+        carried = sync.carried()
+        if carried is None:
+            flags[comm.rank] += (~torch.isfinite(loss)).any().double()
+        fold = world > 1 and not (sync.replicated and carried is not None)  # flags need a collective
+        norm = None
+        with comm.bytes.phase("guard"):  # a guard, not a training step's traffic
+            if need_norm:
+                # inf and NaN in any gradient make the norm non-finite: it is the gradient check too.
+                norm = sync.grad_norm(flags if fold else None)  # collective unless C = 1
+                if not fold and not math.isfinite(norm):
+                    flags[comm.rank] += 1.0
+            else:
+                grads = sync.local_grads()
+                if grads:
+                    # One fused pass of 2-norms (as torch's clip_grad_norm_): inf and NaN propagate into
+                    # the norm and nothing gradient-sized is allocated. (The max-norm would cost ten times
+                    # as much on the CPU; a norm that overflows only for gradients above 1e19 counts as
+                    # non-finite, as it should.)
+                    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+                    flags[comm.rank] += (~torch.isfinite(norms)).any().double()
+                if fold:
+                    comm.all_reduce(flags, comm.world).wait()  # collective: who saw inf/NaN
+        if carried is not None:
+            flags += carried.double()
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if not ranks:
+            return True, norm
+        where = f"step {step}, rank(s) {', '.join(map(str, ranks))}"
+        if self.policy == "skip":
+            if comm.rank == 0:
+                print(f"warning: non-finite loss or gradients at {where}: step skipped", flush=True)
+            return False, norm
+        raise NonFiniteError(f"non-finite loss or gradients at {where}; the last good checkpoint is "
+                             f"{self.last_good() or 'none (no checkpoint was written yet)'} — lower optim.lr, set "
+                             "optim.clip_grad_norm, or set train.on_nonfinite=skip")
+
+    def clip(self, sync: Any, norm: float | None, max_norm: float) -> None:
+        """Scale the gradients so their global norm is at most ``max_norm`` (0: no clipping)."""
+        if max_norm > 0:
+            clip_to(sync, float(norm), max_norm)

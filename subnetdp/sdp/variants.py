@@ -18,7 +18,7 @@ from subnetdp.core.contracts import DataSpec, ModelAdapter, ParamMap, Partition
 
 def rescale_enabled(mcfg: Any) -> bool:
     """``masker.rescale``, defaulting to on for neuron level and off for block level."""
-    value = getattr(mcfg, "rescale", None)
+    value = mcfg.rescale
     return str(mcfg.granularity) == "neuron" if value is None else bool(value)
 
 
@@ -26,7 +26,7 @@ def partition_model(adapter: ModelAdapter, full: nn.Module, mcfg: Any, spec: Dat
     """The adapter's partition; neuron level passes ``masker.units_per_layer``."""
     granularity = str(mcfg.granularity)
     if granularity == "neuron":
-        return adapter.partition(full, granularity, spec, units_per_layer=int(getattr(mcfg, "units_per_layer", 8)))
+        return adapter.partition(full, granularity, spec, units_per_layer=int(mcfg.units_per_layer))
     return adapter.partition(full, granularity, spec)
 
 
@@ -36,7 +36,7 @@ def local_model(adapter: ModelAdapter, full: nn.Module, owned: Sequence[int], pa
 
     Takes ownership of ``full``.
     """
-    if str(getattr(mcfg, "regime", "forward")) == "backward":
+    if str(mcfg.regime) == "backward":
         return apply_backward_masking(full, partition, owned)
     if partition.granularity == "neuron":
         return adapter.materialize(full, owned, partition, rescale=rescale_enabled(mcfg))
@@ -44,4 +44,4 @@ def local_model(adapter: ModelAdapter, full: nn.Module, owned: Sequence[int], pa
 
 
 def is_backward(mcfg: Any) -> bool:
-    return str(getattr(mcfg, "regime", "forward")) == "backward"
+    return str(mcfg.regime) == "backward"

@@ -8,53 +8,25 @@ steps under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, which gives 
 shape and no storage. The second step runs inside :class:`~subnetdp.train.meter.TensorMemoryTracker`, the
 same tracker and the same baseline (parameters, buffers, gradients, gradient buckets, optimizer
 state) the training loop uses on a CPU, so the estimate is the step the loop measures. Collectives
-go to :class:`DryRunCommunicator`, which does nothing but count the payload.
+go to :class:`~subnetdp.parallel.dryrun_comm.DryRunCommunicator`, which does nothing but count the payload.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import itertools
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from subnetdp.core.contracts import (Communicator, DataSpec, DoneHandle, Handle, LaunchEnv, ModelAdapter, ParamMap,
-                                     Partition)
-from subnetdp.train.meter import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.core.contracts import Communicator, DataSpec, ModelAdapter, ParamMap, Partition
+from subnetdp.parallel.dryrun_comm import DryRunCommunicator
+from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
+from subnetdp.train.step import train_step
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.sdp.variants import is_backward, local_model
-
-
-class DryRunCommunicator(Communicator):
-    """Rank ``rank`` of ``world_size`` with collectives that only count bytes."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(None, LaunchEnv(rank, world_size, rank, world_size, "dry-run"))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def init(self) -> None:
-        return None
-
-    def new_group(self, ranks: Sequence[int]) -> None:
-        return None
-
-    def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
-        self.bytes.add(tuple(group), tensor.numel() * tensor.element_size())
-        return DoneHandle()
-
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
-        return None
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj] * self.world_size
-
-    def barrier(self) -> None:
-        return None
 
 
 def fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
@@ -82,24 +54,36 @@ def fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Modul
     return module
 
 
-def _clip(model: torch.nn.Module, comm: Communicator, max_norm: float) -> None:
-    """Gradient clipping's tensor work without reading the norm (a fake tensor has no value).
+class DryRunGuard:
+    """The step's guard in a dry run: no inf/NaN check (a fake tensor has no value), clipping's tensor work.
 
-    The loop's clipping (:meth:`OwnerGroupAverager.clip_grad_norm_`) reduces one scalar norm per
-    tensor, all-reduces the sum (8 bytes) and scales every gradient in place; here the scale stays
-    a tensor, so the same tensors are made and the in-place scaling runs whatever the norm is.
+    The loop's clipping reduces one scalar norm per tensor, all-reduces the sum (8 bytes, in phase
+    ``"guard"``) and scales every gradient in place; here the scale stays a tensor, so the same
+    tensors are made and the in-place scaling runs whatever the norm is.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        total += torch.linalg.vector_norm(g).double() ** 2
-    saved = dict(comm.bytes.by_group)
-    # collective: every rank reaches this (the dry run's communicator only counts it).
-    comm.all_reduce(total, list(range(comm.world_size))).wait()
-    comm.bytes.by_group = saved  # the loop does not count the guard's and the norm's scalars either
-    coef = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def carry(self, sync: Any, loss: torch.Tensor) -> None:
+        return None
+
+    def check(self, step: int, sync: Any, loss: torch.Tensor, need_norm: bool) -> tuple[bool, None]:
+        return True, None
+
+    def clip(self, sync: Any, norm: None, max_norm: float) -> None:
+        if max_norm <= 0:
+            return
+        grads = sync.local_grads()
+        total = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            total += torch.linalg.vector_norm(g).double() ** 2
+        with self.comm.bytes.phase("guard"):
+            # collective: every rank reaches this (the dry run's communicator only counts it).
+            self.comm.all_reduce(total, list(range(self.comm.world_size))).wait()
+        coef = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
 
 
 def fake_rank_model(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
@@ -117,30 +101,6 @@ def fake_rank_model(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: 
     fake_module(model, fake)
     model.train()
     return model, pmap, apply_ac(adapter.blocks(model), int(cfg.train.activation_checkpointing))
-
-
-def _step(model: torch.nn.Module, adapter: ModelAdapter, batch: Any, averager: OwnerGroupAverager,
-          optimizer: torch.optim.Optimizer, accum: int, refresher: Any, clip: float,
-          comm: Communicator, autocast: Any) -> None:
-    for micro in range(accum):
-        with averager.no_sync() if micro < accum - 1 else _null():
-            with autocast:
-                loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
-            loss.backward()
-    averager.finish()
-    if clip > 0:
-        _clip(model, comm, clip)
-    optimizer.step()
-    if refresher is not None:
-        refresher.refresh()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
@@ -168,21 +128,27 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         if is_backward(cfg.masker):
             from subnetdp.sdp.backward import Refresher
 
-            refresher = Refresher(model, pmap, plan, partition, comm, 1, float(cfg.sync.bucket_cap_mb))
-        accum, clip = int(cfg.train.grad_accum), float(cfg.optim.clip_grad_norm)
+            refresher = Refresher(model, pmap, plan, partition, comm, int(cfg.masker.refresh_every),
+                                  float(cfg.sync.bucket_cap_mb))
         # The loop measures step min(train.memory_step, train.steps); one earlier step creates the
         # optimizer state it starts with.
         measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
-        every = max(1, int(getattr(cfg.masker, "refresh_every", 1)))
+        every = max(1, int(cfg.masker.refresh_every))
+        guard = DryRunGuard(comm)
+
+        def step(n: int) -> None:
+            train_step(model, adapter, itertools.repeat(fbatch), averager, optimizer, guard, step=n,
+                       accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
+                       autocast=lambda: autocast, refresher=refresher)
+
         if measured > 1:
             averager.prepare()
-            _step(model, adapter, fbatch, averager, optimizer, accum, refresher, clip, comm, autocast)
+            step(measured - 1)
         comm.bytes.reset()
         averager.prepare()  # as the loop: last step's gradients are dropped before the baseline
         state = training_state_tensors(model, optimizer, averager.state_tensors())
         with TensorMemoryTracker(live_state_bytes(state)) as tracker:
-            _step(model, adapter, fbatch, averager, optimizer, accum,
-                  refresher if measured % every == 0 else None, clip, comm, autocast)
+            step(measured)
         grad_bytes = float(averager.bytes_per_step())
         if refresher is not None and plan.world_size > 1:
             grad_bytes += refresher.bytes_per_refresh() / every

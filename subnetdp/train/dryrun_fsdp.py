@@ -11,63 +11,21 @@ the tracker the loop uses on its measured step when sharded; FSDP's bytes are co
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Sequence
+import itertools
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import init_device_mesh
 
-from subnetdp.core.contracts import DataSpec, Handle, ModelAdapter, Partition
-from subnetdp.train.dryrun import DryRunCommunicator, fake_rank_model
-from subnetdp.train.meter import live_state_bytes, training_state_tensors
+from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition
+from subnetdp.parallel.dryrun_comm import FakeGroupCommunicator, fake_mesh
+from subnetdp.train.dryrun import DryRunGuard, fake_rank_model
+from subnetdp.parallel.memory import live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
+from subnetdp.train.step import train_step
 from subnetdp.core.plan import MaskPlan
 from subnetdp.parallel.fsdp import (CollectiveBytes, ShardedMemoryTracker, ShardedOwnerAverager, apply_fsdp,
                                     local, mixed_precision)
-
-
-class _Work:
-    def __init__(self, work: Any) -> None:
-        self.work = work
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-
-
-class FakeGroupCommunicator(DryRunCommunicator):
-    """Rank ``rank`` of ``world_size`` over torch's fake process group: real groups, no traffic.
-
-    FSDP2 and device meshes need ``torch.distributed`` groups; their collectives return at once.
-    The communicator's own all-reduces still count their payload.
-    """
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
-        self._groups: dict[tuple[int, ...], Any] = {}
-
-    def init(self) -> None:
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-        if not dist.is_initialized():
-            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
-        self._groups[self.world] = dist.group.WORLD
-
-    def new_group(self, ranks: Sequence[int]) -> None:
-        key = tuple(sorted(ranks))
-        if key not in self._groups:
-            self._groups[key] = dist.new_group(list(key))
-
-    def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
-        key = tuple(group)
-        self.bytes.add(key, tensor.numel() * tensor.element_size())
-        return _Work(dist.all_reduce(tensor, group=self._groups[key], async_op=async_op))
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
@@ -81,14 +39,14 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
         rank: the rank to estimate.
         batch: one real training batch (its shapes are used).
     """
-    if dist.is_initialized():
+    if FakeGroupCommunicator.initialized():
         raise RuntimeError("the sharded dry run needs a process without a process group")
     shard = int(cfg.fsdp.shard_size)
     comm = FakeGroupCommunicator(rank, plan.world_size)
     comm.init()
     try:
         # DeviceMesh reads its layout with .tolist(): made outside FakeTensorMode.
-        mesh = init_device_mesh("cpu", (plan.world_size // shard, shard), mesh_dim_names=("replica", "shard"))
+        mesh = fake_mesh(plan.world_size, shard)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model, pmap, _ = fake_rank_model(cfg, adapter, spec, partition, plan, rank, fake)
         with fake:
@@ -98,25 +56,22 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
             averager = ShardedOwnerAverager(model, pmap, plan.replicas(shard), partition, comm, shard,
                                             float(cfg.sync.bucket_cap_mb), bool(cfg.fsdp.reduce_each_micro_batch))
             fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
-            accum = int(cfg.train.grad_accum)
+            guard = DryRunGuard(comm)
 
-            def step() -> None:
-                # Clipping is left out, as in the unsharded dry run: in-place scaling and scalars.
-                for micro in range(accum):
-                    with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                        adapter.loss(model(adapter.inputs(fbatch)), fbatch).div(accum).backward()
-                averager.finish()
-                optimizer.step()
+            def step(n: int) -> None:
+                train_step(model, adapter, itertools.repeat(fbatch), averager, optimizer, guard, step=n,
+                           accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm))
 
-            if min(int(cfg.train.memory_step), int(cfg.train.steps)) > 1:
+            measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
+            if measured > 1:
                 averager.prepare()
-                step()  # the optimizer state the measured step starts with
+                step(measured - 1)  # the optimizer state the measured step starts with
             averager.prepare()  # as the loop: the last step's gradients are dropped before the baseline
             comm.bytes.reset()
             baseline = live_state_bytes(training_state_tensors(model, optimizer, averager.state_tensors()))
             counter = CollectiveBytes()
             with counter, ShardedMemoryTracker(baseline) as tracker:
-                step()
+                step(measured)
             held = sum(local(p).numel() for p in model.parameters())
         return {"peak_memory_bytes": int(tracker.peak), "bytes_per_step": float(comm.bytes.total() + counter.payload),
                 "params_held": int(held), "params_trained": int(held), "dense_sync": False,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,44 +12,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
-                                     ParamMap, Partition)
+                                     Partition, Run)
 from subnetdp.core.errors import ConfigError, RankMismatchError
-from subnetdp.train.meter import (RunLogger, bytes_by_group, group_label, live_state_bytes,
-                                   plan_figure, tensor_digest, training_state_tensors, write_json)
+from subnetdp.parallel.memory import training_state_tensors
+from subnetdp.train.meter import Meter, RunLogger, bytes_by_group, plan_figure, tensor_digest, write_json
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.resume import Checkpointer
-from subnetdp.sdp.sync import OwnerGroupAverager, clip_to
+from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
+from subnetdp.train.checkpoints.files import latest_checkpoint
+from subnetdp.train.step import train_step
 from subnetdp.sdp.union import assemble_union, evaluate
 from subnetdp.sdp.variants import is_backward, local_model, partition_model
-
-
-@dataclass
-class Run:
-    """Everything a running (or finished) training run holds; handed to lifecycle hooks."""
-
-    cfg: DictConfig
-    env: LaunchEnv
-    comm: Communicator
-    adapter: ModelAdapter
-    data: DataModule
-    spec: DataSpec
-    partition: Partition
-    plan: MaskPlan
-    model: torch.nn.Module
-    pmap: ParamMap
-    run_dir: Path
-    optimizer: torch.optim.Optimizer | None = None
-    averager: OwnerGroupAverager | None = None
-    parallel: Any = None  # subnetdp.parallel.apply.Parallelism
-    step: int = 0
-    eval_metrics: dict[str, float] = field(default_factory=dict)
-    summary: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        return self.env.rank
 
 
 def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
@@ -61,7 +34,7 @@ def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
     return n
 
 
-def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
+def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
     data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
@@ -82,7 +55,7 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
 def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
     """Validate the communicator, data and plan for ``world_size`` ranks before any worker is started."""
     pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
-    return _build_plan(cfg, world_size, pm)[-1]
+    return build_plan(cfg, world_size, pm)[-1]
 
 
 def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
@@ -92,7 +65,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     if cfg.train.device == "cuda" and comm.device.type != "cuda":
         raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
                           "use comm.name=nccl for GPUs")
-    data, spec, adapter, full, partition, plan = _build_plan(cfg, env.world_size, pm)
+    data, spec, adapter, full, partition, plan = build_plan(cfg, env.world_size, pm)
     if cfg.train.compile:
         from subnetdp.parallel.compile import require_compilable
 
@@ -173,10 +146,6 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return tuple(t.to(device, non_blocking=True) for t in batch) if device.type != "cpu" else batch
 
 
-def _peak_memory(device: torch.device) -> int:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
-
-
 def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | None = None) -> Run:
     """Run one training job on this rank; returns the finished :class:`Run`."""
     from subnetdp.launchers import detect
@@ -186,112 +155,53 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
     set_threads(cfg, env)
     run = setup(cfg, env, pm)
     try:
-        _train(run, pm)
+        train_loop(run, pm)
     finally:
         run.comm.shutdown()
     return run
 
 
-def _train(run: Run, pm: PluginManager) -> None:
-    cfg, comm, model, adapter = run.cfg, run.comm, run.model, run.adapter
-    rank, device, steps = run.rank, comm.device, int(cfg.train.steps)
-    run.optimizer = optimizer = build_optimizer(cfg.optim, model.parameters())
-    scheduler = build_schedule(cfg.optim, optimizer, steps)
-    run.averager = averager = run.parallel.averager()  # collective: owner groups are created here
-    refresher = _refresher(run)
-    resampler = _resampler(run)
-    log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
+def train_loop(run: Run, pm: PluginManager) -> None:
+    """Train ``run`` (built by :func:`setup`) to ``train.steps``: the loop, top to bottom."""
+    cfg, comm, steps = run.cfg, run.comm, int(run.cfg.train.steps)
+    run.optimizer = build_optimizer(cfg.optim, run.model.parameters())
+    scheduler = build_schedule(cfg.optim, run.optimizer, steps)
+    run.averager = run.parallel.averager()  # collective: owner groups are created here
+    refresher, resampler = _refresher(run), _resampler(run)
+    log = RunLogger(run.run_dir, run.rank, bool(cfg.run.tensorboard))
     _write_start(run, log)
-    loader = run.data.train_loader(rank, comm.world_size, int(cfg.train.batch_size))
-    ckpt = Checkpointer(run, optimizer, scheduler, loader)
+    loader = run.data.train_loader(run.rank, comm.world_size, int(cfg.train.batch_size))
+    ckpt = Checkpointer(run, run.optimizer, scheduler, loader)
     first = ckpt.start() + 1  # collective: resumes from a checkpoint when cfg.resume asks for one
     run.step = first - 1
-    batches = iter(loader)
-    accum = int(cfg.train.grad_accum)
-    samples_per_step = comm.world_size * int(cfg.train.batch_size) * accum
+    batches = (_to_device(b, comm.device) for b in loader)
+    guard = NonFiniteGuard(comm, str(cfg.train.on_nonfinite), lambda: latest_checkpoint(run.run_dir))
+    meter = Meter(comm, run.parallel, first, steps, int(cfg.train.memory_step))
+    losses: list[float] = []  # this rank's losses since the last log step
     pm.hook.subnetdp_on_run_start(run=run)
-    bar = _progress(cfg, rank, steps)
-    loss_sum, loss_n, step_times, sync_bytes, wire = 0.0, 0, [], 0, 0.0
-    group_bytes: dict[tuple[int, ...], int] = {}  # payload per owner group, summed over steps
-    peak_cpu = 0
-    model.train()
+    bar = _progress(cfg, run.rank, steps)
+    run.model.train()
     for step in range(first, steps + 1):
-        probe = step == min(max(int(cfg.train.memory_step), first), steps)  # the step that is measured
-        measure = device.type == "cpu" and probe
-        t0 = time.perf_counter()
-        averager.prepare()  # drops the last step's gradients: before the memory baseline is taken
-        tracker = (run.parallel.memory_tracker(live_state_bytes(training_state_tensors(model, optimizer,
-                                                                                      averager.state_tensors())))
-                   if measure else contextlib.nullcontext())
-        with tracker, run.parallel.counting(probe):  # FSDP's all-gathers and reduce-scatters, when sharded
-            before, before_wire = comm.bytes.total(), comm.bytes.ring_estimate()
-            before_groups = dict(comm.bytes.by_group)
-            step_loss = torch.zeros((), device=device)
-            for micro in range(accum):
-                batch = _to_device(next(batches), device)
-                with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                    with run.parallel.autocast():
-                        loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
-                    step_loss += loss.detach()
-                    if micro == accum - 1:  # the inf/NaN check of the loss travels with the gradients
-                        ckpt.carry_loss_check(averager, step_loss)
-                    loss.backward()
-            averager.finish()  # collective: owner groups average this step's gradients
-            sync_bytes += comm.bytes.total() - before
-            wire += comm.bytes.ring_estimate() - before_wire
-            for g, n in comm.bytes.by_group.items():
-                group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
-            log_step = step % int(cfg.train.log_every) == 0 or step == steps
-            clip = float(cfg.optim.clip_grad_norm)
-            # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite),
-            # in the gradient-norm all-reduce when clipping or logging needs the norm.
-            finite, grad_norm = ckpt.finite(step, step_loss, averager, need_norm=clip > 0 or log_step)
-            if finite:
-                clip_to(averager, grad_norm, clip)
-                optimizer.step()
-            scheduler.step()
-            if refresher is not None and refresher.due(step):
-                sent = refresher.refresh()  # collective: owners' new values reach every rank
-                sync_bytes, wire = sync_bytes + sent, wire + sent
+        log_step = step % int(cfg.train.log_every) == 0 or step == steps
+        run.averager.prepare()  # drops the last step's gradients: before the memory baseline is taken
+        with meter.step(step, lambda: training_state_tensors(run.model, run.optimizer, run.averager.state_tensors())):
+            out = train_step(run.model, run.adapter, batches, run.averager, run.optimizer, guard, step=step,
+                             accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
+                             need_norm=log_step, autocast=run.parallel.autocast, scheduler=scheduler,
+                             refresher=refresher, device=comm.device)
             if resampler is not None and resampler.due(step) and step < steps:
                 # collective: every rank re-draws the same plan and receives the pieces it gains.
-                model, optimizer, scheduler, averager, refresher = _redraw(run, resampler, step, steps)
-                ckpt.optimizer, ckpt.scheduler = optimizer, scheduler  # later checkpoints save the new state
-        elapsed = time.perf_counter() - t0
-        if measure or (probe and run.parallel.sharded):
-            peak_cpu = tracker.peak if measure else 0  # measuring slows this step down: keep it out of the timings
-        else:
-            step_times.append(elapsed)
-        loss_sum += float(step_loss)
-        loss_n += 1
+                scheduler, refresher = _redraw(run, resampler, step, steps)
+                ckpt.optimizer, ckpt.scheduler = run.optimizer, scheduler  # later checkpoints save the new state
         run.step = step
-        metrics = {"loss": float(step_loss), "lr": optimizer.param_groups[0]["lr"], "step_time": elapsed}
-        log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": elapsed}, per_rank=True)
+        losses.append(float(out.loss))
+        metrics = {"loss": losses[-1], "lr": run.optimizer.param_groups[0]["lr"], "step_time": meter.last_step_time}
+        log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": meter.last_step_time}, per_rank=True)
         if log_step:
-            # collective: every rank reaches this on log steps to average the loss over the world.
-            mean = torch.tensor([loss_sum, float(loss_n)], dtype=torch.float64, device=device)
-            comm.all_reduce(mean, comm.world).wait()
-            train_loss = float(mean[0] / mean[1])
-            loss_sum, loss_n = 0.0, 0
-            window = step_times[-int(cfg.train.log_every):] or [elapsed]
-            step_time = sum(window) / len(window)
-            record = {"step": step, "train/loss": train_loss, "train/lr": metrics["lr"],
-                      "train/grad_norm": grad_norm, "train/step_time_s": step_time,
-                      "train/samples_per_s": samples_per_step / step_time}
-            if run.spec.seq_len:  # language models: tokens per second over all ranks
-                record["train/tokens_per_s"] = record["train/samples_per_s"] * run.spec.seq_len
-            log.scalars(step, {k: v for k, v in record.items() if k != "step"})
-            log.jsonl(record)
-            par = run.parallel  # FSDP's own all-gathers and reduce-scatters count too
-            log.scalars(step, {"rank/bytes_sent_per_step": sync_bytes / (step - first + 1) + par.fsdp_bytes,
-                               "rank/wire_bytes_per_step": wire / (step - first + 1) + par.fsdp_wire,
-                               "rank/peak_memory_bytes": peak_cpu or _peak_memory(device)}, per_rank=True)
-            log.scalars(step, {f"rank/bytes_by_group/{group_label(g)}": n / (step - first + 1) for g, n in group_bytes.items()},
-                        per_rank=True)
-            _progress_line(bar, record)
-        eval_every = int(cfg.eval.every)
-        if step == steps or (eval_every and step % eval_every == 0):
-            run.eval_metrics = _evaluate(run, log, step)
+            _log_step(run, log, meter, bar, step, losses, out.grad_norm)  # collective: the world's mean loss
+            losses = []
+        if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
+            run.eval_metrics = _evaluate(run, log, step)  # collective: the union model is assembled on rank 0
             pm.hook.subnetdp_on_eval_end(run=run, step=step, metrics=run.eval_metrics)
         pm.hook.subnetdp_on_step_end(run=run, step=step, metrics=metrics)
         ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
@@ -299,12 +209,29 @@ def _train(run: Run, pm: PluginManager) -> None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    done = max(1, steps - first + 1)
-    par = run.parallel  # FSDP's own traffic, measured on one step, is added to every step's
-    run.summary = _summarise(run, step_times, sync_bytes / done + par.fsdp_bytes, wire / done + par.fsdp_wire,
-                             peak_cpu or _peak_memory(device), group_bytes)
+    run.summary = _summarise(run, meter, max(1, steps - first + 1))
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
+
+
+def _log_step(run: Run, log: RunLogger, meter: Meter, bar: Any, step: int, losses: list[float],
+              grad_norm: float | None) -> None:
+    """The world's mean loss since the last log step, throughput and this rank's figures. Collective."""
+    comm, cfg = run.comm, run.cfg
+    mean = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64, device=comm.device)
+    with comm.bytes.phase("log"):
+        comm.all_reduce(mean, comm.world).wait()  # collective: every rank reaches this on log steps
+    step_time = meter.mean_step_time(int(cfg.train.log_every))
+    samples_per_step = comm.world_size * int(cfg.train.batch_size) * int(cfg.train.grad_accum)
+    record = {"step": step, "train/loss": float(mean[0] / mean[1]),
+              "train/lr": run.optimizer.param_groups[0]["lr"], "train/grad_norm": grad_norm,
+              "train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}
+    if run.spec.seq_len:  # language models: tokens per second over all ranks
+        record["train/tokens_per_s"] = record["train/samples_per_s"] * run.spec.seq_len
+    log.scalars(step, {k: v for k, v in record.items() if k != "step"})
+    log.jsonl(record)
+    log.scalars(step, meter.rank_scalars(step), per_rank=True)
+    _progress_line(bar, record)
 
 
 def _refresher(run: Run) -> Any:
@@ -319,7 +246,7 @@ def _refresher(run: Run) -> Any:
 
 def _resampler(run: Run) -> Any:
     """``masker.resample_every > 0``: the plan re-drawer (None for a fixed plan)."""
-    every = int(getattr(run.cfg.masker, "resample_every", 0) or 0)
+    every = int(run.cfg.masker.resample_every)
     if every <= 0:
         return None
     from subnetdp.sdp.resample import Resampler
@@ -328,12 +255,16 @@ def _resampler(run: Run) -> Any:
                      run.comm, every)
 
 
-def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple:
-    """Switch to the next plan of the family: new model, fresh optimizer state, same schedule."""
+def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple[Any, Any]:
+    """Switch to the next plan of the family: new model, fresh optimizer state, same schedule.
+
+    Returns the new scheduler and refresher; the model, plan, optimizer and averager are the run's.
+    """
     import warnings
 
     run.averager.remove_hooks()
-    run.model, run.pmap, run.plan = resampler.redraw(step, run.model, run.pmap, run.plan)
+    with run.comm.bytes.phase("redraw"):  # collective: the pieces a rank gains reach it
+        run.model, run.pmap, run.plan = resampler.redraw(step, run.model, run.pmap, run.plan)
     run.model.train()
     run.optimizer = build_optimizer(run.cfg.optim, run.model.parameters())
     scheduler = build_schedule(run.cfg.optim, run.optimizer, steps)
@@ -344,16 +275,15 @@ def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple:
     cfg = run.cfg
     run.averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
                                       float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
-    return run.model, run.optimizer, scheduler, run.averager, _refresher(run)
+    return scheduler, _refresher(run)
 
 
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     """Assemble the union model on rank 0 and evaluate it there. Collective."""
-    saved = dict(run.comm.bytes.by_group)
-    with run.parallel.gathered():  # collective when sharded: full parameters for the assembly
+    # collective when sharded: full parameters for the assembly; evaluation traffic is not a step's.
+    with run.parallel.gathered(), run.comm.bytes.phase("eval"):
         union = assemble_union(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
                                run.model, run.pmap, run.comm)
-    run.comm.bytes.by_group = saved  # evaluation traffic is not a training step's
     if union is None:
         return {}
     metrics = evaluate(union, run.adapter, run.data, run.cfg)
@@ -368,7 +298,7 @@ def _write_start(run: Run, log: RunLogger) -> None:
         return
     yaml = config_mod.to_yaml(run.cfg)
     (run.run_dir / "config.yaml").write_text(yaml)
-    plan_dict = run.plan.to_dict(run.partition, str(run.cfg.masker.get("group_by", "auto")))
+    plan_dict = run.plan.to_dict(run.partition, str(run.cfg.masker.group_by))
     write_json(run.run_dir / "plan.json", plan_dict)
     log.text("config", "```\n" + yaml + "\n```")
     names = [u.name for u in run.partition.units]
@@ -379,9 +309,11 @@ def _write_start(run: Run, log: RunLogger) -> None:
         log.scalars(u, {"plan/owner_count_by_unit": k})
 
 
-def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_per_step: float,
-               peak: int, group_bytes: dict[tuple[int, ...], int] | None = None) -> dict[str, Any]:
+def _summarise(run: Run, meter: Meter, done: int) -> dict[str, Any]:
     from subnetdp.parallel.apply import local_numel
+
+    bytes_per_step, wire_per_step = meter.bytes_per_step(done)
+    step_times, peak = meter.step_times, meter.peak_memory()
 
     params_held = local_numel(run.model)  # with FSDP: this rank's shards
     with run.parallel.gathered():  # collective when sharded
@@ -391,7 +323,7 @@ def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_pe
             "memory_measured_by": "cuda allocator" if run.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
             "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank],
-            "bytes_by_group": bytes_by_group(group_bytes or {}, max(run.step, 1)),
+            "bytes_by_group": bytes_by_group(meter.group_bytes(), max(run.step, 1)),
             "params_sha256": digest, **run.parallel.describe(),
             "fsdp_bytes_per_step": dict(run.parallel.fsdp_by_kind),
             "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}

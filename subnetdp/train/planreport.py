@@ -16,9 +16,9 @@ from subnetdp.train.dryrun import estimate_rank
 
 def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True) -> dict[str, Any]:
     """Everything ``subnetdp plan`` shows, as a JSON-ready dict."""
-    from subnetdp.train.loop import _build_plan
+    from subnetdp.train.loop import build_plan
 
-    data, spec, adapter, full, partition, plan = _build_plan(cfg, world_size, pm)
+    data, spec, adapter, full, partition, plan = build_plan(cfg, world_size, pm)
     del full
     report = plan.to_dict(partition)
     report.update({"granularity": partition.granularity, "regime": str(cfg.masker.regime),

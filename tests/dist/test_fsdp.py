@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import _train, set_threads, setup
+from subnetdp.train.loop import train_loop, set_threads, setup
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.train.planreport import plan_report
 from subnetdp.sdp.sync import OwnerGroupAverager
@@ -40,7 +40,7 @@ def _train_gathered(cfg, rank: int, world: int) -> tuple[dict[str, torch.Tensor]
     set_threads(cfg, env)
     run = setup(cfg, env, pm)
     try:
-        _train(run, pm)
+        train_loop(run, pm)
         sharded = {n: type(p).__name__ for n, p in run.model.named_parameters()}
         with run.parallel.gathered():  # collective over each shard group
             params = {n: p.detach().clone() for n, p in run.model.named_parameters()}

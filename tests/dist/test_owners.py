@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import _train, setup
+from subnetdp.train.loop import train_loop, setup
 from subnetdp.sdp.sync import OwnerGroupAverager
 from tests.helpers import plugin_manager, run_ranks, small_config
 
@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, init_method: str, optim: str, lr: str) -> dic
         averaged = {n: p.grad.clone() for n, p in run.model.named_parameters()}
         averager.remove_hooks()
         # Then several real steps through the loop.
-        _train(run, pm)
+        train_loop(run, pm)
         params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
         state = {}
         for n, p in run.model.named_parameters():

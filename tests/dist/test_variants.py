@@ -21,7 +21,7 @@ from subnetdp.sdp.backward import apply_backward_masking
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
-from subnetdp.train.loop import _train, setup
+from subnetdp.train.loop import train_loop, setup
 from subnetdp.sdp.resample import family
 from subnetdp.sdp.sync import OwnerGroupAverager
 from tests.helpers import plugin_manager, run_ranks, small_config
@@ -92,7 +92,7 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
         # Then several real steps through the loop.
         pm.pm.register(digest)
         try:
-            _train(run, pm)
+            train_loop(run, pm)
         finally:
             pm.pm.unregister(digest)
         owners0 = {_key(it): it.owners for it in global_items(run.partition, run.plan0)}

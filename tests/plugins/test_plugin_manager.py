@@ -99,3 +99,18 @@ def test_plugins_command_lists_builtins():
     assert rows["cyclic"]["kind"] == "masker" and rows["cyclic"]["package"] == "subnetdp"
     assert rows["gloo"]["kind"] == "communicator" and rows["resnet"]["kind"] == "model"
     assert rows["digits"]["hooks"] == "subnetdp_register_datasets"
+
+
+class Misspelled:
+    """A plugin whose hook name has a typo: pluggy alone would never call it, silently."""
+
+    @hookimpl
+    def subnetdp_register_masker(self, registry):  # the hook is subnetdp_register_maskers
+        registry.add("never", CyclicMasker)
+
+
+def test_a_misspelled_hook_implementation_is_refused_by_name():
+    with pytest.raises(SubnetdpError, match=r"implements 'subnetdp_register_masker', which is no subnetdp hook.*"
+                                            r"did you mean 'subnetdp_register_maskers'\?"):
+        PluginManager(entry_points=False, extra=[Misspelled()])
+    PluginManager(entry_points=False, extra=[Recorder()])  # correctly spelled hooks pass the check

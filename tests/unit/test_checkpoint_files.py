@@ -25,7 +25,7 @@ ONE = LaunchEnv(0, 1, 0, 1, "test")
 BASE = ("comm.name=local", "masker.coverage=1", "train.batch_size=8", "optim.warmup_steps=0", "checkpoint.enabled=true")
 
 
-def _train(run_dir: Path, name: str, *overrides: str):
+def train_loop(run_dir: Path, name: str, *overrides: str):
     cfg = small_config(*BASE, f"run.name={name}", *overrides, run_dir=run_dir)
     return train(cfg, ONE, plugin_manager())
 
@@ -33,8 +33,8 @@ def _train(run_dir: Path, name: str, *overrides: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpt-runs")
-    _train(root, "a", "train.steps=2", "checkpoint.every=1", "checkpoint.keep=0")
-    _train(root, "b", "train.steps=1", "seed=1")
+    train_loop(root, "a", "train.steps=2", "checkpoint.every=1", "checkpoint.keep=0")
+    train_loop(root, "b", "train.steps=1", "seed=1")
     return root
 
 
@@ -54,7 +54,7 @@ def _load_error(path: Path) -> str:
 
 def _resume_error(path: Path, *overrides: str) -> str:
     with pytest.raises(CheckpointError) as e:
-        _train(path.parent.parent.parent, "resumer", "train.steps=3", f"resume={path}", *overrides)
+        train_loop(path.parent.parent.parent, "resumer", "train.steps=3", f"resume={path}", *overrides)
     return str(e.value)
 
 
@@ -161,14 +161,14 @@ def test_resume_refuses_other_model_plan_or_world_size(ckpt):
 
 def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
     with pytest.raises(NonFiniteError) as e:
-        _train(tmp_path, "nan", "train.steps=4", "checkpoint.every=1", "optim.lr=1e30")
+        train_loop(tmp_path, "nan", "train.steps=4", "checkpoint.every=1", "optim.lr=1e30")
     assert "non-finite loss or gradients at step 2, rank(s) 0" in str(e.value)
     good = tmp_path / "nan" / "checkpoints" / "step_00000001"
     assert str(good) in str(e.value)
     assert ck.latest_checkpoint(tmp_path / "nan") == good
     load_union(good, plugin_manager())  # intact
     # skip: every step after the first is skipped, so the weights stay those of step 1.
-    run = _train(tmp_path, "skip", "train.steps=3", "optim.lr=1e30", "train.on_nonfinite=skip")
+    run = train_loop(tmp_path, "skip", "train.steps=3", "optim.lr=1e30", "train.on_nonfinite=skip")
     step1, _ = ck.read_tensors(good / "rank_0.safetensors", ck.read_manifest(good), 0)
     params = dict(run.model.named_parameters())
     assert run.step == 3 and torch.equal(params["fc.weight"], step1["fc.weight"])
@@ -177,9 +177,9 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
 def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
     """2 steps, then ``resume=auto`` with ``train.steps=4``, equals 4 straight steps (AdamW state included)."""
     extra = ("optim.name=adamw", "optim.lr=1e-3", "optim.schedule=constant")
-    straight = _train(tmp_path, "straight", "train.steps=4", *extra)
-    _train(tmp_path, "extended", "train.steps=2", "resume=auto", *extra)  # fresh start: no checkpoint yet
-    extended = _train(tmp_path, "extended", "train.steps=4", "resume=auto", *extra)
+    straight = train_loop(tmp_path, "straight", "train.steps=4", *extra)
+    train_loop(tmp_path, "extended", "train.steps=2", "resume=auto", *extra)  # fresh start: no checkpoint yet
+    extended = train_loop(tmp_path, "extended", "train.steps=4", "resume=auto", *extra)
     assert extended.step == 4
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), extended.model.state_dict().items()):
         assert torch.equal(a, b), name

@@ -1,41 +1,133 @@
-"""core/ imports neither torch.distributed, mpi4py nor plugins; only comm/, parallel/ and launchers/ reach torch.distributed."""
+"""The floors of the package, enforced on every import, direct or transitive (function-level ones too).
+
+Bottom up: ``core`` (the contracts) -> ``sdp`` (the method) -> ``parallel`` (the engine) -> ``train``
+(step, meter, loop, checkpoints, dry runs) -> the entry points (``cli``, ``export``, ``data_prep``).
+``launchers`` and ``plugins`` stand on ``core`` alone (a communicator may use ``launchers``); one
+plugin kind never imports another, and ``import subnetdp`` (the public API) reaches only ``core``.
+Only ``plugins/comm/``, ``parallel/`` and ``launchers/`` import ``torch.distributed`` or ``mpi4py``.
+"""
 
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 
 import subnetdp
 
 ROOT = Path(subnetdp.__file__).parent
 DIST_ALLOWED = ("plugins/comm/", "parallel/", "launchers/")
+BACKENDS = ("torch.distributed", "mpi4py")
+
+# floor -> the floors its modules may import (itself included)
+MAY_IMPORT = {
+    "api": {"api", "core"},
+    "core": {"core"},
+    "launchers": {"core", "launchers"},
+    "sdp": {"core", "sdp"},
+    "parallel": {"core", "sdp", "parallel"},
+    "train": {"core", "sdp", "parallel", "train", "launchers"},
+    "plugins": {"api", "core", "launchers"},  # and their own kind (checked separately)
+    "top": {"api", "core", "sdp", "parallel", "train", "launchers", "plugins", "top"},
+}
 
 
-def _imports(path: Path) -> set[str]:
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def floor(mod: str) -> str:
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return "api"
+    return parts[1] if parts[1] in MAY_IMPORT else "top"
+
+
+def plugin_kind(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "plugins" else None
+
+
+@lru_cache(maxsize=None)
+def direct_imports(mod: str) -> frozenset[str]:
+    """Every module ``mod`` imports anywhere in its source, resolved to package modules where possible."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(MODULES[mod].read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
+            out.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES)
+    resolved = set()
+    for name in out:
+        if name.startswith("subnetdp"):
+            while name not in MODULES:  # `from subnetdp.x import Name`: the module is subnetdp.x
+                name = name.rpartition(".")[0]
+        resolved.add(name)
+    resolved.discard("subnetdp")  # a parent package's __init__ runs first; the api is checked on its own
+    resolved.discard(mod)
+    return frozenset(resolved)
+
+
+@lru_cache(maxsize=None)
+def reached(mod: str) -> frozenset[str]:
+    """Every module imported by ``mod`` transitively through the package (externals included, not followed)."""
+    seen: set[str] = set()
+    todo = [mod]
+    while todo:
+        for name in direct_imports(todo.pop()):
+            if name not in seen:
+                seen.add(name)
+                if name in MODULES:
+                    todo.append(name)
+    return frozenset(seen)
+
+
+def violations(mod: str) -> list[str]:
+    """What ``mod`` reaches that its floor forbids."""
+    own, kind, out = floor(mod), plugin_kind(mod), []
+    for name in sorted(reached(mod)):
+        if name in MODULES:
+            if floor(name) not in MAY_IMPORT[own] and not (kind and plugin_kind(name) == kind):
+                out.append(f"{mod} ({own}) reaches {name} ({floor(name)})")
+            elif kind and plugin_kind(name) not in (None, kind):
+                out.append(f"{mod} (plugins/{kind}) reaches {name} (plugins/{plugin_kind(name)})")
+        elif name.startswith(BACKENDS) and own in ("api", "core", "sdp"):
+            out.append(f"{mod} ({own}) reaches {name}")
     return out
 
 
+def test_the_walk_sees_the_package():
+    assert {"core", "sdp", "parallel", "train", "plugins", "launchers", "api", "top"} <= {floor(m) for m in MODULES}
+    # a transitive edge the walk must see: the loop reaches torch.distributed through parallel/
+    assert any(n.startswith("torch.distributed") for n in reached("subnetdp.train.loop"))
+
+
+def test_every_import_points_down():
+    found = [v for mod in MODULES for v in violations(mod)]
+    assert found == [], "\n".join(found)
+
+
 def test_core_imports_no_backend_and_no_plugin():
-    files = sorted((ROOT / "core").rglob("*.py"))
-    assert len(files) >= 8
-    for f in files:
-        for mod in _imports(f):
-            assert not mod.startswith(("torch.distributed", "mpi4py", "subnetdp.plugins")), f"{f.name} imports {mod}"
+    files = [m for m in MODULES if floor(m) == "core"]
+    assert len(files) >= 6
+    for mod in files:
+        for name in reached(mod):
+            assert not name.startswith((*BACKENDS, "subnetdp.plugins")), f"{mod} reaches {name}"
 
 
 def test_only_backend_packages_import_torch_distributed():
     offenders = []
-    for f in sorted(ROOT.rglob("*.py")):
+    for mod, f in MODULES.items():
         rel = f.relative_to(ROOT).as_posix()
         if rel.startswith(DIST_ALLOWED):
             continue
-        if any(m.startswith(("torch.distributed", "mpi4py")) for m in _imports(f)):
+        if any(m.startswith(BACKENDS) for m in direct_imports(mod)):
             offenders.append(rel)
     assert offenders == []

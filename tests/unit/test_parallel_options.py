@@ -8,7 +8,7 @@ import torch
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
-from subnetdp.train.loop import _train, preflight, set_threads, setup
+from subnetdp.train.loop import train_loop, preflight, set_threads, setup
 from subnetdp.train.planreport import plan_report
 from subnetdp.parallel.checkpointing import checkpointed_positions
 from subnetdp.parallel.compile import compile_problem
@@ -26,7 +26,7 @@ def _run(tmp_path, *overrides: str, recipe: str = "llama_tiny_stdlib") -> tuple[
     set_threads(cfg, env)
     run = setup(cfg, env, plugin_manager())
     try:
-        _train(run, plugin_manager())
+        train_loop(run, plugin_manager())
     finally:
         run.comm.shutdown()
     params = {n: p.detach().clone() for n, p in run.model.named_parameters()}

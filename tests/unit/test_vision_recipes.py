@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from subnetdp.core.config import compose
-from subnetdp.train.loop import _build_plan
+from subnetdp.train.loop import build_plan
 from subnetdp.plugins.data.cifar import Cifar100Data, CifarData
 from subnetdp.plugins.data.imagenet import ImageNetData
 from tests.helpers import plugin_manager
@@ -32,7 +32,7 @@ def test_recipe_plans_for_its_world_size(recipe, tmp_path):
     overrides = DATA[cfg.data.name].conformance_overrides(tmp_path) + ["data.image_size=32"]
     cfg = compose(recipe, overrides, pm.registries)
     world = int(cfg.launch.nproc)
-    _, spec, _, _, partition, plan = _build_plan(cfg, world, pm)
+    _, spec, _, _, partition, plan = build_plan(cfg, world, pm)
     assert plan.world_size == world and min(plan.owner_counts()) >= 1
     assert spec.image_size == 32 and spec.in_channels == 3
     groups = list(partition.groups())

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.plugins.comm.gloo import TorchDistCommunicator
+from subnetdp.plugins.comm.torch_dist import TorchDistCommunicator
 
 
 class NcclCommunicator(TorchDistCommunicator):

@@ -13,14 +13,12 @@ from __future__ import annotations
 from subnetdp.core.contracts import Masker, MaskerConfig, Partition
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.core.plan import MaskPlan, group_units, units_kept
-from subnetdp.plugins.maskers.cyclic import CyclicMasker
 
 
 class BalancedMasker(Masker):
     """Cost-balanced unit sets (greedy longest-processing-time over the adapter's unit costs)."""
 
     Config = MaskerConfig
-    validate_config = CyclicMasker.validate_config
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
         k = min(world_size, max(int(self.cfg.min_owners), units_kept(float(self.cfg.coverage), world_size)))

@@ -8,21 +8,14 @@ at most W distinct owner sets per group, so few owner groups have to be created.
 from __future__ import annotations
 
 from subnetdp.core.contracts import Masker, MaskerConfig, Partition
-from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, units_kept
+from subnetdp.core.plan import MaskPlan, group_units, units_kept
 
 
 class CyclicMasker(Masker):
     """Every rank keeps a contiguous (cyclic) run of ``n_g`` units of every group."""
 
     Config = MaskerConfig
-
-    @classmethod
-    def validate_config(cls, cfg, root) -> None:
-        if cfg.group_by not in GROUP_BY:
-            raise ConfigError("masker.group_by", cfg.group_by, f"valid choices: {', '.join(GROUP_BY)}"
-                              + suggest(cfg.group_by, GROUP_BY))
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
         owned: list[list[int]] = [[] for _ in range(world_size)]

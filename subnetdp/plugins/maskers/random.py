@@ -15,7 +15,6 @@ import numpy as np
 from subnetdp.core.contracts import Masker, MaskerConfig, Partition
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.core.plan import MaskPlan, group_units, units_kept
-from subnetdp.plugins.maskers.cyclic import CyclicMasker
 
 
 def group_rng(seed: int, group: str) -> np.random.Generator:
@@ -28,7 +27,6 @@ class RandomMasker(Masker):
     """Seeded random subsets, balanced in owner counts."""
 
     Config = MaskerConfig
-    validate_config = CyclicMasker.validate_config
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
         owned: list[list[int]] = [[] for _ in range(world_size)]

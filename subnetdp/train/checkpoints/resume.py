@@ -1,16 +1,15 @@
-"""Saving a running job's checkpoints and resuming from one; the non-finite guard.
+"""Saving a running job's checkpoints and resuming from one.
 
 The loop uses one :class:`Checkpointer`::
 
     ckpt = Checkpointer(run, optimizer, scheduler, loader)
     first = ckpt.start() + 1           # collective: resume (cfg.resume) or start fresh
     for step in range(first, steps + 1):
-        ckpt.carry_loss_check(averager, loss)   # before the last backward: rides with the gradients
-        ...backward, averaging...
-        ok, norm = ckpt.finite(step, loss, averager, need_norm)   # stop or skip on inf/NaN
-        if ok:
-            optimizer.step()
+        ...the training step...
         ckpt.after_step(step)          # collective on save steps (checkpoint.every, the last step)
+
+The inf/NaN guard that stops a run (leaving the last good checkpoint untouched) is the
+synchroniser's: :class:`subnetdp.sdp.sync.NonFiniteGuard`.
 
 Resuming restores parameters, buffers, optimizer and scheduler state, the data-loader position and
 the RNG states, so a resumed run is bit-identical to one that was never interrupted. A checkpoint
@@ -19,7 +18,6 @@ from another model, plan or world size is refused (re-planning for a new world s
 
 from __future__ import annotations
 
-import math
 import random
 import uuid
 from pathlib import Path
@@ -31,7 +29,7 @@ from omegaconf import OmegaConf
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.core import config as config_mod
-from subnetdp.core.errors import CheckpointError, NonFiniteError, SubnetdpError
+from subnetdp.core.errors import CheckpointError, SubnetdpError
 
 
 def rng_state() -> dict[str, Any]:
@@ -63,7 +61,7 @@ class Checkpointer:
     """Saves this rank's part of every checkpoint and restores it on resume.
 
     Args:
-        run: the :class:`~subnetdp.train.loop.Run` (model, plan, partition, comm, config, run_dir).
+        run: the :class:`~subnetdp.core.contracts.Run` (model, plan, partition, comm, config, run_dir).
         optimizer, scheduler, loader: the state that is saved besides the tensors.
     """
 
@@ -247,67 +245,6 @@ class Checkpointer:
         if manifest["plan_digest"] != run.plan.digest():
             raise CheckpointError(f"{where}: written under mask plan {manifest['plan_digest']}, this run's plan is "
                                   f"{run.plan.digest()}: use the same masker.* settings and seed, or start a new run")
-
-    # ------------------------------------------------------------------ non-finite guard
-    def carry_loss_check(self, averager: Any, loss: torch.Tensor) -> None:
-        """Hand this rank's "loss is not finite" flag to the averager, to travel with the gradients.
-
-        Call it before the last micro-batch's backward; no host synchronisation happens here.
-        """
-        flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=loss.device)
-        flags[self.rank] = (~torch.isfinite(loss)).any().float()
-        averager.carry(flags)
-
-    def finite(self, step: int, loss: torch.Tensor, averager: Any, need_norm: bool) -> tuple[bool, float | None]:
-        """Whether every rank's loss and averaged gradients are finite; and the gradient norm if asked.
-
-        Which ranks meet, and when: the loss flags came with the gradients (:meth:`carry_loss_check`);
-        at C = 1 every rank holds the same averaged gradient, so its own check is everyone's and no
-        collective is issued; otherwise the gradient flags travel in the gradient-norm all-reduce
-        when the norm is needed (the norm is then the gradient check: one pass over the gradients,
-        not two), or in one small all-reduce of their own. With
-        ``train.on_nonfinite=stop`` a non-finite step raises :class:`NonFiniteError` on every rank
-        (the last good checkpoint is untouched); with ``skip`` it returns False.
-        """
-        world = self.comm.world_size
-        flags = torch.zeros(world, dtype=torch.float64, device=loss.device)
-        carried = averager.carried()
-        if carried is None:
-            flags[self.rank] += (~torch.isfinite(loss)).any().double()
-        fold = world > 1 and not (averager.replicated and carried is not None)  # flags need a collective
-        saved = dict(self.comm.bytes.by_group)
-        norm = None
-        if need_norm:
-            # inf and NaN in any gradient make the norm non-finite: it is the gradient check too.
-            norm = averager.grad_norm(flags if fold else None)  # collective unless C = 1
-            if not fold and not math.isfinite(norm):
-                flags[self.rank] += 1.0
-        else:
-            grads = averager.local_grads()
-            if grads:
-                # One fused pass of 2-norms (as torch's clip_grad_norm_): inf and NaN propagate into the
-                # norm and nothing gradient-sized is allocated. (The max-norm would cost ten times as
-                # much on the CPU; a norm that overflows only for gradients above 1e19 counts as
-                # non-finite, as it should.)
-                norms = torch.stack(torch._foreach_norm(grads, 2.0))
-                flags[self.rank] += (~torch.isfinite(norms)).any().double()
-            if fold:
-                self.comm.all_reduce(flags, self.comm.world).wait()  # collective: who saw inf/NaN
-        self.comm.bytes.by_group = saved  # a guard, not a training step's traffic
-        if carried is not None:
-            flags += carried.double()
-        ranks = [r for r, f in enumerate(flags.tolist()) if f]
-        if not ranks:
-            return True, norm
-        where = f"step {step}, rank(s) {', '.join(map(str, ranks))}"
-        if str(self.cfg.train.on_nonfinite) == "skip":
-            if self.rank == 0:
-                print(f"warning: non-finite loss or gradients at {where}: step skipped", flush=True)
-            return False, norm
-        good = ck.latest_checkpoint(self.run.run_dir)
-        raise NonFiniteError(f"non-finite loss or gradients at {where}; the last good checkpoint is "
-                             f"{good or 'none (no checkpoint was written yet)'} — lower optim.lr, set "
-                             "optim.clip_grad_norm, or set train.on_nonfinite=skip")
 
 
 def json_dumps(obj: Any) -> str:

@@ -12,16 +12,9 @@ subnetdp calls the ``@hookimpl`` functions below. Copy it, rename it, and change
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from subnetdp.core.contracts import Masker, MaskerConfig, Partition
-from subnetdp.core.errors import ConfigError, suggest
-from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, units_kept
-
-if TYPE_CHECKING:
-    from subnetdp.train.loop import Run
-    from subnetdp.core.plugins import Registry
+from subnetdp import ConfigError, Masker, MaskerConfig, MaskPlan, Partition, Registry, Run, group_units, hookimpl, units_kept
 
 NAME = "strided"  # what a config selects: masker.name=strided
 
@@ -47,9 +40,6 @@ class StridedMasker(Masker):
         """Reject bad values before any process starts (``cfg`` is ``masker``, ``root`` the whole config)."""
         if cfg.offset < 0:
             raise ConfigError("masker.offset", cfg.offset, "must be >= 0", "use e.g. masker.offset=1")
-        if cfg.group_by not in GROUP_BY:
-            raise ConfigError("masker.group_by", cfg.group_by, f"valid choices: {', '.join(GROUP_BY)}"
-                              + suggest(cfg.group_by, GROUP_BY))
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
         # A pure function of its arguments: every rank computes the same plan without talking.
@@ -64,12 +54,12 @@ class StridedMasker(Masker):
 
 
 @hookimpl
-def subnetdp_register_maskers(registry: "Registry") -> None:
+def subnetdp_register_maskers(registry: Registry) -> None:
     registry.add(NAME, StridedMasker)
 
 
 @hookimpl
-def subnetdp_on_run_end(run: "Run") -> None:
+def subnetdp_on_run_end(run: Run) -> None:
     """Print the plan's digest once (rank 0), and only in runs that use this masker."""
     if run.rank != 0 or run.cfg.masker.name != NAME:
         return

@@ -1,0 +1,125 @@
+"""The ``torch.distributed`` communicators' shared code (``gloo``, ``nccl``; and FSDP's groups).
+
+:class:`TorchDistCommunicator` creates the process group at :meth:`~TorchDistCommunicator.init`,
+one sub-group per owner set (entered by every rank, in the same order), and counts every
+all-reduce's payload; a subclass names its ``backend`` and ``device``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from subnetdp.core.contracts import Communicator, Handle
+from subnetdp.core.errors import SubnetdpError
+from subnetdp.launchers import rendezvous
+
+
+class WorkHandle(Handle):
+    """Wraps a ``torch.distributed`` work object."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+
+def arrival_error(comm: Communicator, init_method: str, timeout: float, error: BaseException) -> str:
+    """A message for a world that did not assemble: how many processes were expected, how many came."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+             if init_method == "env://" else init_method)
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        arrived = f"only {joined.group(1)} of {comm.world_size} processes arrived"  # rank 0 counts itself
+    elif "timed out" in text.lower() or "timeout" in text.lower():
+        arrived = f"rank {comm.rank} of {comm.world_size} could not meet the others"
+    else:
+        return (f"comm.name={comm.cfg.name}: creating the {comm.world_size}-process group at {where} failed: "
+                f"{text}")
+    return (f"comm.name={comm.cfg.name}: {arrived} at {where} within comm.timeout_s={timeout:g} s "
+            f"(the launcher promised world size {comm.world_size}; {comm.env.launcher} launch). Start "
+            f"exactly {comm.world_size} processes with the same MASTER_ADDR/MASTER_PORT, or raise "
+            f"comm.timeout_s if some start late. ({text})")
+
+
+class TorchDistCommunicator(Communicator):
+    """Shared code of the ``torch.distributed`` backends; subclasses set ``backend``."""
+
+    backend = "gloo"
+    supports_fsdp = True
+
+    def __init__(self, cfg: Any, env: Any) -> None:
+        super().__init__(cfg, env)
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def init(self) -> None:
+        # collective: every rank reaches this; it creates the world process group.
+        timeout = float(self.cfg.timeout_s)
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout), **self._init_kwargs()}
+        init_method = str(self.cfg.init_method)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if self.world_size == 1 and init_method == "env://":
+            kwargs["store"] = dist.HashStore()
+        elif attempt is not None and init_method == "env://":
+            # torchrun keeps one agent store across restarts of the group, and the keys the process
+            # group writes carry no attempt number: a restarted rank could read a dead peer's
+            # address. A prefix per attempt keeps every attempt's keys apart.
+            store, _, _ = next(dist.rendezvous(init_method, self.rank, self.world_size, timeout=kwargs["timeout"]))
+            kwargs["store"] = dist.PrefixStore(f"subnetdp/attempt-{attempt}", store)
+        else:
+            if init_method == "env://":
+                rendezvous(self.env)  # mpirun / srun: MASTER_ADDR and MASTER_PORT from rank 0
+            kwargs["init_method"] = init_method
+        try:
+            dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size, **kwargs)
+        except (dist.DistError, RuntimeError, ValueError) as e:
+            raise SubnetdpError(arrival_error(self, init_method, timeout, e)) from None
+        self._groups[self.world] = dist.group.WORLD
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        """Extra ``init_process_group`` arguments of a backend (NCCL binds its device)."""
+        return {}
+
+    def new_group(self, ranks: Sequence[int]) -> None:
+        key = tuple(sorted(ranks))
+        if key in self._groups:
+            return
+        # collective: every rank creates every group, in the same order, member or not.
+        self._groups[key] = dist.new_group(list(key), backend=self.backend)
+
+    def _pg(self, group: Sequence[int] | None) -> Any:
+        key = self.world if group is None else tuple(group)
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise RuntimeError(f"no process group for ranks {key}: groups must be created at set-up") from None
+
+    def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
+        key = tuple(group)
+        self.bytes.add(key, tensor.numel() * tensor.element_size())
+        work = dist.all_reduce(tensor, group=self._pg(key), async_op=async_op)
+        return WorkHandle(work if async_op else None)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
+        dist.broadcast(tensor, src=src, group=self._pg(group))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups.clear()
