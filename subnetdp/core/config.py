@@ -7,7 +7,9 @@ overrides. Everything here runs before any process group exists.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any, Iterable, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from subnetdp.core.contracts import CommConfig, DataConfig, MaskerConfig, ModelConfig, doc
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.plan import GROUP_BY
 
@@ -24,77 +27,81 @@ PLUGIN_GROUPS = ("model", "masker", "comm", "data")
 
 @dataclass
 class SyncConfig:
-    bucket_cap_mb: float = 25.0
-    max_groups: int = 64
+    bucket_cap_mb: float = doc('gradient bucket size (MiB) of the owner-group all-reduces', 25.0)
+    max_groups: int = doc('most distinct owner sets before the synchroniser falls back to dense averaging', 64)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 5e-4
-    schedule: str = "cosine"
-    warmup_steps: int = 0
-    clip_grad_norm: float = 0.0
+    name: str = doc('torch.optim by name: sgd, adamw, adam', "sgd")
+    lr: float = doc('peak learning rate', 0.1)
+    momentum: float = doc('SGD momentum', 0.9)
+    nesterov: bool = doc('SGD Nesterov momentum', False)
+    betas: list[float] = doc('Adam/AdamW betas', factory=lambda: [0.9, 0.999])
+    eps: float = doc('Adam/AdamW epsilon', 1e-8)
+    weight_decay: float = doc('weight decay', 5e-4)
+    schedule: str = doc('cosine or constant, after linear warm-up', "cosine")
+    warmup_steps: int = doc('linear warm-up steps', 0)
+    clip_grad_norm: float = doc("clip the averaged gradient's global norm to this (0 = off)", 0.0)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    batch_size: int = 32
-    grad_accum: int = 1
-    precision: str = "fp32"  # fp32 | bf16 (autocast; FSDP2's MixedPrecisionPolicy when sharded)
-    activation_checkpointing: int = 0  # k: recompute every k-th materialised block; 0 = off
-    compile: bool = False  # torch.compile each materialised block
-    compile_backend: str = "inductor"
-    device: str = "auto"
-    log_every: int = 10
-    memory_step: int = 2
-    progress: bool = True
-    on_nonfinite: str = "stop"
+    steps: int = doc('optimizer steps', 100)
+    batch_size: int = doc('batch size per rank (per micro-batch)', 32)
+    grad_accum: int = doc('micro-batches per optimizer step', 1)
+    precision: str = doc("fp32 or bf16 (autocast; FSDP2's MixedPrecisionPolicy when sharded)", "fp32")
+    activation_checkpointing: int = doc('k: recompute every k-th materialised block in backward; 0 = off', 0)
+    compile: bool = doc('torch.compile each materialised block', False)
+    compile_backend: str = doc('inductor, aot_eager or eager', "inductor")
+    device: str = doc('auto, cpu or cuda (cuda needs comm.name=nccl)', "auto")
+    log_every: int = doc('steps between log lines (and world-mean losses)', 10)
+    memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured", 2)
+    progress: bool = doc('progress bar on rank 0', True)
+    on_nonfinite: str = doc('stop or skip: what an inf/NaN loss or gradient does', "stop")
 
 
 @dataclass
 class EvalConfig:
-    every: int = 0
-    batches: int = 0
-    batch_size: int = 256
-    bn_recalibrate_batches: int = 20
+    every: int = doc('steps between union-model evaluations (0 = at the end only)', 0)
+    batches: int = doc('evaluation batches (0 = the whole held-out split)', 0)
+    batch_size: int = doc('evaluation batch size', 256)
+    bn_recalibrate_batches: int = doc('training batches that recalibrate BatchNorm statistics of the union model', 20)
 
 
 @dataclass
 class LaunchConfig:
-    nproc: int = 1
-    threads_per_rank: int = 0
+    nproc: int = doc('local workers started by subnetdp train', 1)
+    threads_per_rank: int = doc('torch threads per rank (0 = the cores shared evenly)', 0)
 
 
 @dataclass
 class RunDirConfig:
-    dir: str = "runs"
-    name: str = ""
-    tensorboard: bool = True
+    dir: str = doc('where run directories go', "runs")
+    name: str = doc("the run directory's name (empty: made on rank 0 with a timestamp)", "")
+    tensorboard: bool = doc('write TensorBoard events', True)
 
 
 @dataclass
 class CheckpointConfig:
     """``checkpoint.*``: see docs/checkpoints.md."""
 
-    enabled: bool = True
-    every: int = 0  # 0 = only at the end
-    keep: int = 2  # complete checkpoints kept, newest first; 0 = all
+    enabled: bool = doc('write checkpoints (docs/checkpoints.md)', True)
+    every: int = doc('steps between checkpoints (0 = only at the end)', 0)
+    keep: int = doc('newest complete checkpoints kept (0 = all)', 2)
 
 
 @dataclass
 class FSDPConfig:
     """``fsdp.*``: FSDP2 sharding inside each replica (docs/fsdp.md)."""
 
-    shard_size: int = 1  # S ranks hold one subnetwork and shard it; 1 = no FSDP
-    reshard_after_forward: bool = True  # ZeRO-3; false keeps the gathered block until backward (ZeRO-2)
-    reduce_each_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded gradients kept meanwhile
+    shard_size: int = doc(
+        'S: ranks that hold one subnetwork shard it with FSDP2 (world = replicas x S); 1 = no FSDP',
+        1)
+    reshard_after_forward: bool = doc('ZeRO-3; false keeps the gathered block until backward (ZeRO-2)', True)
+    reduce_each_micro_batch: bool = doc(
+        'with train.grad_accum > 1; false: one reduce-scatter per step, more memory',
+        True)
 
 
 @dataclass
@@ -102,7 +109,7 @@ class RunConfig:
     """The non-plugin sections. Plugin groups (``model``, ``masker``, ``comm``, ``data``) are
     mounted from the selected plugin's ``Config`` at composition time."""
 
-    seed: int = 0
+    seed: int = doc('every random choice derives from it (model init, data order, plans)', 0)
     sync: SyncConfig = field(default_factory=SyncConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -111,7 +118,43 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    resume: str = "never"  # never | auto | PATH of a checkpoint
+    resume: str = doc('never, auto (newest checkpoint of run.dir/run.name) or a checkpoint PATH', "never")
+
+
+SHARED_PLUGIN_SCHEMAS = {"model": ModelConfig, "masker": MaskerConfig, "comm": CommConfig, "data": DataConfig}
+
+
+def documented_keys() -> list[tuple[str, str, str, str]]:
+    """Every key of the run schema and of the plugin groups' shared schemas: (key, type, default, doc).
+
+    A field without a ``doc`` has an empty doc (the config-doc test refuses it).
+    """
+    def walk(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for f in dataclasses.fields(cls):
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            if dataclasses.is_dataclass(kind) or kind in _SECTIONS:
+                rows += walk(_SECTIONS[kind], f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.name == "name" and prefix[:-1] in SHARED_PLUGIN_SCHEMAS:
+                default = OmegaConf.load(config_root() / "defaults.yaml")[prefix[:-1]]["name"]  # the selection
+            rows.append((prefix + f.name, kind.replace("Optional[bool]", "bool or empty"),
+                         "" if default is None else json.dumps(default), f.metadata.get("doc", "")))
+        return rows
+
+    rows = walk(RunConfig, "")
+    for group, cls in SHARED_PLUGIN_SCHEMAS.items():
+        rows += walk(cls, f"{group}.")
+    return sorted(rows, key=lambda r: (r[0].count(".") > 0, r[0]))
+
+
+def key_table() -> str:
+    """The README's configuration table, generated from the schema (``python -m subnetdp.core.config``)."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, kind, default, text in documented_keys():
+        lines.append(f"| `{key}` | {kind} | {f'`{default}`' if default else ''} | {text} |")
+    return "\n".join(lines)
 
 
 CHOICES = {
@@ -410,3 +453,10 @@ def default_run_name(cfg: DictConfig, world_size: int) -> str:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+_SECTIONS = {c.__name__: c for c in (SyncConfig, OptimConfig, TrainConfig, EvalConfig, LaunchConfig, RunDirConfig,
+                                     CheckpointConfig, FSDPConfig)}
+
+if __name__ == "__main__":
+    print(key_table())

@@ -181,11 +181,24 @@ class LaunchEnv:
 # --------------------------------------------------------------------------- plugin bases
 
 
+_NO_DEFAULT: Any = dataclasses.MISSING
+
+
+def doc(text: str, default: Any = _NO_DEFAULT, *, factory: Any = _NO_DEFAULT) -> Any:
+    """A config field with its one-line documentation (shown in the README's key table).
+
+    ``key: int = doc("what it means", 3)``; mutable defaults use ``factory=``.
+    """
+    if factory is not _NO_DEFAULT:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
 @dataclass
 class PluginConfig:
     """Every plugin's ``Config`` subclasses this; ``name`` selects the plugin."""
 
-    name: str = "???"
+    name: str = doc('the plugin selected by name', "???")
 
 
 class Plugin:
@@ -224,38 +237,42 @@ class Plugin:
 class MaskerConfig(PluginConfig):
     """Keys every masker shares (``masker.*``); a masker's own ``Config`` may add more."""
 
-    granularity: str = "block"
-    regime: str = "forward"
-    coverage: float = 0.5
-    min_owners: int = 1
-    group_by: str = "auto"
-    rescale: Optional[bool] = None  # None: on for neuron level, off for block level
-    units_per_layer: int = 8  # neuron level: ranges each layer's hidden dimension is cut into
-    refresh_every: int = 1  # backward masking: broadcast owners' values to all ranks every N steps
-    resample_every: int = 0  # re-draw the plan every N steps from a fixed family (0 = never)
+    granularity: str = doc('unit kind: block or neuron', "block")
+    regime: str = doc('forward (materialised subnetworks) or backward (masked gradients, full forward)', "forward")
+    coverage: float = doc(
+        'C in (0, 1]: each rank keeps max(1, floor(C K_g + 0.5)) of the K_g units of every group',
+        0.5)
+    min_owners: int = doc('a plan with a unit owned by fewer ranks is refused', 1)
+    group_by: str = doc("auto (the adapter's groups, e.g. a ResNet stage) or model (one group over all units)", "auto")
+    rescale: Optional[bool] = doc(
+        'K/n output scaling of narrowed layers (empty: on for neuron level, off for block level)',
+        None)
+    units_per_layer: int = doc("neuron level: ranges each layer's hidden dimension is cut into", 8)
+    refresh_every: int = doc("backward masking: owners' values reach every rank every N steps", 1)
+    resample_every: int = doc('re-draw the plan every N steps from a fixed family (0 = never)', 0)
 
 
 @dataclass
 class CommConfig(PluginConfig):
     """Keys every communicator shares (``comm.*``)."""
 
-    init_method: str = "env://"
-    timeout_s: float = 600.0
+    init_method: str = doc('torch.distributed init method (env:// under torchrun)', "env://")
+    timeout_s: float = doc('seconds the world has to assemble, and for each collective', 600.0)
 
 
 @dataclass
 class DataConfig(PluginConfig):
     """Keys every data module shares (``data.*``)."""
 
-    root: str = ""
-    image_size: int = 0
+    root: str = doc("where the dataset's files are", "")
+    image_size: int = doc("resize target (0 = the dataset's own size)", 0)
 
 
 @dataclass
 class ModelConfig(PluginConfig):
     """Keys every model adapter shares (``model.*``)."""
 
-    variant: str = ""
+    variant: str = doc('the size: resnet18/34/50, swin t/s/b/cifar, llama tiny/134m/500m/1b', "")
 
 
 class Masker(Plugin, abc.ABC):

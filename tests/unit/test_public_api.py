@@ -52,8 +52,217 @@ def cli_surface() -> dict[str, list[str]]:
     return out
 
 
-FROZEN_API: dict[str, list[str]] = {}
-FROZEN_CLI: dict[str, list[str]] = {}
+FROZEN_API: dict[str, list[str]] = {
+    'CheckpointError': [
+    ],
+    'CommConfig': [
+        "__init__(self, name: 'str' = '???', init_method: 'str' = 'env://', timeout_s: 'float' = 600.0) -> None",
+    ],
+    'Communicator': [
+        "__init__(self, cfg: 'Any', env: 'LaunchEnv') -> 'None'",
+        "all_gather_object(self, obj: 'Any') -> 'list[Any]'",
+        'all_reduce(self, tensor: "\'torch.Tensor\'", group: \'Sequence[int]\', async_op: \'bool\' = False) -> \'Handle\'',
+        "barrier(self) -> 'None'",
+        'broadcast(self, tensor: "\'torch.Tensor\'", src: \'int\', group: \'Sequence[int] | None\' = None) -> \'None\'',
+        "check_environment(self) -> 'None'",
+        "check_world_size(cls, world_size: 'int') -> 'None'",
+        'device: property',
+        "init(self) -> 'None'",
+        'local_rank: property',
+        "new_group(self, ranks: 'Sequence[int]') -> 'None'",
+        'rank: property',
+        "shutdown(self) -> 'None'",
+        'world: property',
+        'world_size: property',
+    ],
+    'ConfigError': [
+        "__init__(self, key: 'str', value: 'object', problem: 'str', fix: 'str' = '') -> 'None'",
+    ],
+    'DataConfig': [
+        "__init__(self, name: 'str' = '???', root: 'str' = '', image_size: 'int' = 0) -> None",
+    ],
+    'DataModule': [
+        "__init__(self, cfg: 'Any', seed: 'int' = 0) -> 'None'",
+        "check(self) -> 'None'",
+        "eval_loader(self, batch_size: 'int') -> 'Iterable[Any]'",
+        "spec(self) -> 'DataSpec'",
+        'train_loader(self, rank: \'int\', world_size: \'int\', batch_size: \'int\') -> "\'ResumableLoader\'"',
+    ],
+    'DataSpec': [
+        "__init__(self, in_channels: 'int' = 0, image_size: 'int' = 0, num_classes: 'int' = 0, vocab_size: 'int' = 0, seq_len: 'int' = 0) -> None",
+    ],
+    'DoneHandle': [
+        "wait(self) -> 'None'",
+    ],
+    'GROUP_BY': [
+        'tuple',
+    ],
+    'GradSynchronizer': [
+        '__init__(self, *args, **kwargs)',
+        "bytes_per_step(self) -> 'int'",
+        'carried(self) -> "\'Optional[torch.Tensor]\'"',
+        'carry(self, flags: "\'torch.Tensor\'") -> \'bool\'',
+        "clip_grad_norm_(self, max_norm: 'float') -> 'float'",
+        "finish(self) -> 'None'",
+        'grad_norm(self, flags: "\'Optional[torch.Tensor]\'" = None) -> \'float\'',
+        'local_grads(self) -> "\'list[torch.Tensor]\'"',
+        "no_sync(self) -> 'ContextManager[None]'",
+        'owner_groups(self) -> "\'list[tuple[int, ...]]\'"',
+        "prepare(self) -> 'None'",
+        "remove_hooks(self) -> 'None'",
+        "scale_grads_(self, coef: 'float') -> 'None'",
+        'state_tensors(self) -> "\'list[torch.Tensor]\'"',
+    ],
+    'Handle': [
+        "wait(self) -> 'None'",
+    ],
+    'LaunchEnv': [
+        "__init__(self, rank: 'int' = 0, world_size: 'int' = 1, local_rank: 'int' = 0, local_world_size: 'int' = 1, launcher: 'str' = 'none') -> None",
+    ],
+    'MaskPlan': [
+        "__init__(self, world_size: 'int', owned: 'list[list[int]]', num_units: 'int') -> None",
+        "as_image(self) -> 'np.ndarray'",
+        "cost_per_rank(self, partition: 'Partition') -> 'list[float]'",
+        "digest(self) -> 'str'",
+        "effective_coverage(self, partition: 'Partition', group_by: 'str' = 'auto') -> 'dict[str, list[float]]'",
+        'from_dict(cls, d: \'dict\') -> "\'MaskPlan\'"',
+        "k(self, unit: 'int') -> 'int'",
+        "mixing_matrix(self, partition: 'Partition') -> 'np.ndarray'",
+        "owner_counts(self) -> 'list[int]'",
+        "owner_sets(self) -> 'list[tuple[int, ...]]'",
+        "owners(self, unit: 'int') -> 'tuple[int, ...]'",
+        "params_per_rank(self, partition: 'Partition') -> 'list[int]'",
+        'replicas(self, shard_size: \'int\') -> "\'MaskPlan\'"',
+        'replicated(self, shard_size: \'int\') -> "\'MaskPlan\'"',
+        "spectral_gap(self, partition: 'Partition') -> 'float'",
+        "to_dict(self, partition: 'Partition | None' = None, group_by: 'str' = 'auto') -> 'dict'",
+        "to_json(self, partition: 'Partition | None' = None) -> 'str'",
+        "unit_graph_components(self) -> 'int'",
+        "validate(self, min_owners: 'int' = 1, names: 'Sequence[str] | None' = None, hint: 'Callable[[], str] | None' = None) -> 'None'",
+        "warn_coverage(self, partition: 'Partition', requested: 'float', group_by: 'str' = 'auto', tol: 'float' = 0.05) -> 'list[str]'",
+    ],
+    'Masker': [
+        'plan(self, partition: \'Partition\', world_size: \'int\', seed: \'int\') -> "\'MaskPlan\'"',
+    ],
+    'MaskerConfig': [
+        "__init__(self, name: 'str' = '???', granularity: 'str' = 'block', regime: 'str' = 'forward', coverage: 'float' = 0.5, min_owners: 'int' = 1, group_by: 'str' = 'auto', rescale: 'Optional[bool]' = None, units_per_layer: 'int' = 8, refresh_every: 'int' = 1, resample_every: 'int' = 0) -> None",
+    ],
+    'ModelAdapter': [
+        'blocks(self, submodel: "\'nn.Module\'") -> "list[\'nn.Module\']"',
+        'build(self, spec: \'DataSpec\') -> "\'nn.Module\'"',
+        "inputs(self, batch: 'Any') -> 'Any'",
+        'loss(self, output: \'Any\', batch: \'Any\') -> "\'torch.Tensor\'"',
+        'materialize(self, model: "\'nn.Module\'", owned: \'Sequence[int]\', partition: \'Partition\') -> "tuple[\'nn.Module\', ParamMap]"',
+        "metrics(self, outputs: 'Sequence[Any]', batches: 'Sequence[Any]') -> 'dict[str, float]'",
+        'partition(self, model: "\'nn.Module\'", granularity: \'str\', spec: \'DataSpec\') -> \'Partition\'',
+    ],
+    'ModelConfig': [
+        "__init__(self, name: 'str' = '???', variant: 'str' = '') -> None",
+    ],
+    'NonFiniteError': [
+    ],
+    'ParamMap': [
+        "__init__(self, pieces: 'dict[str, list[Piece]]', unit_of: 'dict[str, int | None]') -> None",
+        "global_names(self) -> 'list[str]'",
+        'identity(cls, names: \'Iterable[str]\', unit_of: \'dict[str, int | None]\') -> "\'ParamMap\'"',
+    ],
+    'Partition': [
+        '__init__(self, granularity: \'str\', units: \'list[Unit]\', shared: \'list[str]\', shared_buffers: \'list[str]\' = <factory>, shapes: \'dict[str, tuple[int, ...]]\' = <factory>, dtypes: "dict[str, \'torch.dtype\']" = <factory>) -> None',
+        "groups(self) -> 'dict[str, list[Unit]]'",
+        "shared_numel(self) -> 'int'",
+        'tensor_info(model: "\'nn.Module\'") -> "tuple[dict[str, tuple[int, ...]], dict[str, \'torch.dtype\']]"',
+        "unit_numel(self, unit: 'Unit') -> 'int'",
+    ],
+    'Piece': [
+        "__init__(self, global_name: 'str', dim: 'int | None' = None, global_start: 'int' = 0, global_stop: 'int' = 0, local_start: 'int' = 0, local_stop: 'int' = 0) -> None",
+    ],
+    'PlanError': [
+    ],
+    'RankMismatchError': [
+    ],
+    'Registry': [
+        "__init__(self, kind: 'str') -> 'None'",
+        "add(self, name: 'str', cls: 'type') -> 'None'",
+        "create(self, name: 'str', *args: 'Any', **kwargs: 'Any') -> 'Any'",
+        "get(self, name: 'str', key: 'str | None' = None) -> 'type'",
+        "names(self) -> 'list[str]'",
+    ],
+    'ResumableLoader': [
+        "load_state_dict(self, state: 'dict[str, int]') -> 'None'",
+        "state_dict(self) -> 'dict[str, int]'",
+    ],
+    'Run': [
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, summary: \'dict[str, Any]\' = <factory>) -> None',
+        'rank: property',
+    ],
+    'SubnetdpError': [
+    ],
+    'TensorSlice': [
+        "__init__(self, name: 'str', dim: 'int | None' = None, start: 'int' = 0, stop: 'int' = 0) -> None",
+    ],
+    'Unit': [
+        "__init__(self, id: 'int', name: 'str', group: 'str', cost: 'float', slices: 'tuple[TensorSlice, ...]', buffers: 'tuple[TensorSlice, ...]' = ()) -> None",
+    ],
+    'group_units': [
+        "group_units(partition: 'Partition', group_by: 'str' = 'auto') -> 'dict[str, list[int]]'",
+    ],
+    'hookimpl': [
+        "hookimpl(function: '_F | None' = None, hookwrapper: 'bool' = False, optionalhook: 'bool' = False, tryfirst: 'bool' = False, trylast: 'bool' = False, specname: 'str | None' = None, wrapper: 'bool' = False) -> '_F | Callable[[_F], _F]'",
+    ],
+    'suggest': [
+        "suggest(name: 'str', choices: 'Iterable[str]') -> 'str'",
+    ],
+    'units_kept': [
+        "units_kept(coverage: 'float', k: 'int') -> 'int'",
+    ],
+}
+FROZEN_CLI: dict[str, list[str]] = {
+    'eval': [
+        '--json',
+        '<RUN_DIR|CHECKPOINT>',
+    ],
+    'export': [
+        '--no-recalibrate',
+        '<CHECKPOINT>',
+        '<OUT>',
+    ],
+    'launch': [
+        '--dry-run',
+        '--launcher',
+        '--launcher-args',
+        '--mpirun',
+        '--nproc',
+        '<[RECIPE] [key=value ...]>',
+    ],
+    'plan': [
+        '--json',
+        '--no-estimate',
+        '--png',
+        '--world-size/-n',
+        '<[RECIPE] [key=value ...]>',
+    ],
+    'plugins': [
+        '--json',
+    ],
+    'prepare-text': [
+        '--bpe-train-mb',
+        '--fineweb',
+        '--max-mb',
+        '--name',
+        '--out',
+        '--shard-tokens',
+        '--stdlib',
+        '--text-field',
+        '--tokenizer',
+        '--tokenizer-file',
+        '--val-fraction',
+        '--vocab-size',
+        '<FILE_OR_DIR>',
+    ],
+    'train': [
+        '<[RECIPE] [key=value ...]>',
+    ],
+}
 
 
 def test_the_public_api_is_the_frozen_one():
