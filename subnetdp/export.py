@@ -177,15 +177,14 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
     loaded = load_union(path, pm)
     cfg, model = loaded.cfg, loaded.model
     options = loaded.manifest.get("reference")
-    if options is None or getattr(loaded.adapter, "reference_model", None) is None:
+    if options is None:
         raise SubnetdpError(f"model plugin '{cfg.model.name}' does not say how to rebuild its reference "
                             "architecture (reference_options / reference_model): it cannot be exported")
     n_cal = int(cfg.eval.bn_recalibrate_batches) if recalibrate else 0
     if n_cal > 0:
         batches = iter(_data(loaded, pm).train_loader(0, 1, int(cfg.train.batch_size)))
         n_cal = recalibrate_batchnorm(model, batches, n_cal, loaded.adapter.inputs)
-    to_reference = getattr(loaded.adapter, "reference_state_dict", None)
-    state = to_reference(model) if to_reference else model.state_dict()
+    state = loaded.adapter.reference_state_dict(model)
     state = {k: v.detach().contiguous().clone() for k, v in state.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

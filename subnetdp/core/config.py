@@ -447,7 +447,7 @@ def digest(cfg: DictConfig, ignore: Sequence[str] = ("launch", "run")) -> str:
 
 def default_run_name(cfg: DictConfig, world_size: int) -> str:
     """A run name from what distinguishes runs; the caller adds a timestamp once, on rank 0."""
-    variant = getattr(cfg.model, "variant", "") or cfg.model.name
+    variant = cfg.model.variant or cfg.model.name
     return f"{variant}-{cfg.masker.granularity}-c{cfg.masker.coverage:g}-w{world_size}"
 
 

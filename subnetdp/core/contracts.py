@@ -420,6 +420,8 @@ class ModelAdapter(Plugin, abc.ABC):
 
     Config: ClassVar[type] = ModelConfig
     granularities: ClassVar[tuple[str, ...]] = ("block",)
+    #: The kind of data it trains on; a data module of the same kind pairs with it (``image``, ``tokens``).
+    data_kind: ClassVar[str] = "image"
 
     @abc.abstractmethod
     def build(self, spec: DataSpec) -> "nn.Module":
@@ -459,11 +461,28 @@ class ModelAdapter(Plugin, abc.ABC):
         """The part of a batch the model's forward takes."""
         return batch[0]
 
+    # Export (``subnetdp export``): optional. An adapter that can rebuild its reference architecture
+    # (the plain torchvision / torch model) returns its options; None means it cannot be exported.
+    def reference_options(self, spec: DataSpec) -> Optional[dict[str, Any]]:
+        """JSON-ready options that :meth:`reference_model` rebuilds the plain model from (stored in checkpoints)."""
+        return None
+
+    @staticmethod
+    def reference_model(options: dict[str, Any]) -> "nn.Module":
+        """The plain reference model for ``options`` (from :meth:`reference_options`)."""
+        raise NotImplementedError("this model plugin does not rebuild a reference architecture")
+
+    def reference_state_dict(self, model: "nn.Module") -> dict[str, "torch.Tensor"]:
+        """The union model's state_dict under the reference architecture's names (default: unchanged)."""
+        return model.state_dict()
+
 
 class DataModule(Plugin, abc.ABC):
     """A dataset: its spec and deterministic, resumable, rank-sharded loaders."""
 
     Config: ClassVar[type] = DataConfig
+    #: The kind of data it yields (``image``, ``tokens``); a model of the same kind pairs with it.
+    data_kind: ClassVar[str] = "image"
 
     def __init__(self, cfg: Any, seed: int = 0) -> None:
         super().__init__(cfg)

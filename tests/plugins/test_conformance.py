@@ -6,7 +6,7 @@ same digest in another process). A communicator that cannot run on this machine 
 its reason, never reported as passed.
 
 Models and datasets are paired by the kind of data they deal in, the class attribute ``data_kind``
-(``"image"`` when absent; ``"tokens"`` for language models and token shards): a model plugin runs on
+(declared on the base classes: ``"image"`` by default; ``"tokens"`` for language models and token shards): a model plugin runs on
 a dataset of its kind, a dataset plugin under a model of its kind, everything else on resnet + digits.
 """
 
@@ -33,7 +33,7 @@ DEFAULT = {"model": "resnet", "data": "digits"}
 
 
 def data_kind(kind: str, name: str) -> str:
-    return getattr(PM.get(kind, name), "data_kind", "image")
+    return PM.get(kind, name).data_kind
 
 
 def first_of(kind: str, want: str) -> str:

@@ -155,6 +155,9 @@ FROZEN_API: dict[str, list[str]] = {
         'materialize(self, model: "\'nn.Module\'", owned: \'Sequence[int]\', partition: \'Partition\') -> "tuple[\'nn.Module\', ParamMap]"',
         "metrics(self, outputs: 'Sequence[Any]', batches: 'Sequence[Any]') -> 'dict[str, float]'",
         'partition(self, model: "\'nn.Module\'", granularity: \'str\', spec: \'DataSpec\') -> \'Partition\'',
+        'reference_model(options: \'dict[str, Any]\') -> "\'nn.Module\'"',
+        "reference_options(self, spec: 'DataSpec') -> 'Optional[dict[str, Any]]'",
+        'reference_state_dict(self, model: "\'nn.Module\'") -> "dict[str, \'torch.Tensor\']"',
     ],
     'ModelConfig': [
         "__init__(self, name: 'str' = '???', variant: 'str' = '') -> None",

@@ -123,13 +123,12 @@ class Checkpointer:
             files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", run.plan.to_json(run.partition))
             files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
             spec = run.spec
-            reference = getattr(run.adapter, "reference_options", None)
             manifest = {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": comm.world_size,
                         "plan_digest": run.plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
                         "config_digest": config_mod.digest(self.cfg),
                         "model": OmegaConf.to_container(self.cfg.model, resolve=True),
                         "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-                        "reference": reference(spec) if reference else None,
+                        "reference": run.adapter.reference_options(spec),
                         "files": dict(sorted(files.items()))}
             ck.finish_directory(tmp, final, manifest)
             ck.prune(run.run_dir, int(self.cfg.checkpoint.keep), final)
