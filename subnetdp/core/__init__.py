@@ -1,5 +1,6 @@
-"""The framework's core: hook specifications, contracts, plan, synchroniser, config and loop.
+"""The contract layer a plugin author reads: hook specifications, plugin manager, contracts, plan, config, errors.
 
-Nothing in here imports ``torch.distributed``, ``mpi4py`` or ``subnetdp.plugins``; every backend
+Nothing in here imports ``torch.distributed``, ``mpi4py``, ``subnetdp.plugins`` or any floor above it
+(``sdp``, ``parallel``, ``train``: ``tests/unit/test_layering.py``); every backend
 and model reaches the core through the contracts in :mod:`subnetdp.core.contracts`.
 """

@@ -5,9 +5,10 @@ there, which costs no memory and no initialisation and runs an initialiser's dat
 (``trunc_normal_``'s rejection loop) as a no-op; its parameters and buffers then become fake CPU
 tensors of the same shapes, dtypes and strides (tied tensors stay tied), and it is trained for two
 steps under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, which gives every tensor a
-shape and no storage. The second step runs inside :class:`~subnetdp.train.meter.TensorMemoryTracker`, the
-same tracker and the same baseline (parameters, buffers, gradients, gradient buckets, optimizer
-state) the training loop uses on a CPU, so the estimate is the step the loop measures. Collectives
+shape and no storage, by the loop's own :func:`~subnetdp.train.step.train_step`. The second step
+runs inside :class:`~subnetdp.parallel.memory.TensorMemoryTracker`, the same tracker and the same
+baseline (parameters, buffers, gradients, gradient buckets, optimizer state) the training loop uses
+on a CPU, so the estimate is the step the loop measures. Collectives
 go to :class:`~subnetdp.parallel.dryrun_comm.DryRunCommunicator`, which does nothing but count the payload.
 """
 

@@ -1,0 +1,1 @@
+"""Model plugin ``swin``: ``adapter.py`` (registered name, build, partition, materialise), ``neurons.py`` (neuron-level units)."""
