@@ -252,7 +252,7 @@ def scalars(results: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
-            if key == "alias" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if "," not in key or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             metric, _, filt = key.partition(",")
             name = f"{task}/{metric}" + (f"_{filt}" if filt and filt != "none" else "")
@@ -262,10 +262,36 @@ def scalars(results: dict[str, Any]) -> dict[str, float]:
 
 
 def table(results: dict[str, Any]) -> str:
-    """lm-eval's own Markdown table of the results."""
-    from lm_eval.utils import make_table
+    """The results as lm-eval prints them: one Markdown row per task, filter and metric.
 
-    return make_table(results)
+    (Formatted here: lm-eval's ``make_table`` loses its column names with the ``pytablewriter`` that
+    installs beside the pinned ``python-dateutil``.)
+    """
+    header = ["Tasks", "Version", "Filter", "n-shot", "Metric", "", "Value", "", "Stderr"]
+    rows = []
+    higher = results.get("higher_is_better", {})
+    for task, metrics in results.get("results", {}).items():
+        first = True
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if not filt or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            arrow = {True: "↑", False: "↓"}.get(higher.get(task, {}).get(metric), " ")
+            rows.append([metrics.get("alias", task) if first else "",
+                         str(results.get("versions", {}).get(task, "")) if first else "", filt,
+                         str(results.get("n-shot", {}).get(task, "")) if first else "", metric, arrow,
+                         f"{value:.4f}", "±" if isinstance(stderr, (int, float)) else "",
+                         f"{stderr:.4f}" if isinstance(stderr, (int, float)) else "N/A"])
+            first = False
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    right = {1, 3, 6, 8}
+
+    def line(cells: list[str]) -> str:
+        return "|" + "|".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + "|"
+
+    rule = "|" + "|".join(("-" * (w - 1) + ":") if i in right else "-" * w for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(header), rule] + [line(r) for r in rows])
 
 
 def write_results(run_dir: Path, step: int, results: dict[str, Any], log: Any = None) -> Path:
