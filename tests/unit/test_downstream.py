@@ -59,10 +59,6 @@ metadata:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lmeval")
-    cfg = small_config("comm.name=local", "masker.coverage=1", "train.steps=3", "train.batch_size=4",
-                       "eval.batches=1", "data.stdlib_max_mb=0.5", "data.seq_len=64", f"data.cache_dir={tmp}/data",
-                       "run.name=llama", "checkpoint.enabled=true", recipe="llama_tiny_stdlib", run_dir=tmp / "runs")
-    train(cfg, LaunchEnv(), plugin_manager())
     tasks = tmp / "tasks"
     tasks.mkdir()
     data = tmp / "quiz.jsonl"
@@ -71,6 +67,13 @@ def run_dir(tmp_path_factory):
     (tasks / "needs_hub.yaml").write_text("task: needs_hub\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
                                          "test_split: test\noutput_type: multiple_choice\ndoc_to_text: question\n"
                                          "doc_to_choice: '{{choices.text}}'\ndoc_to_target: 0\n")
+    # The same task during training, at eval.every and after the last step.
+    cfg = small_config("comm.name=local", "masker.coverage=1", "train.steps=3", "train.batch_size=4",
+                       "eval.batches=1", "eval.every=2", "eval.tasks=[tiny_python_quiz]", f"eval.include_path={tasks}",
+                       "eval.offline=true", "data.stdlib_max_mb=0.5", "data.seq_len=64", f"data.cache_dir={tmp}/data",
+                       "run.name=llama", "checkpoint.enabled=true", recipe="llama_tiny_stdlib", run_dir=tmp / "runs")
+    run = train(cfg, LaunchEnv(), plugin_manager())
+    assert set(run.eval_metrics) >= {"loss", "tiny_python_quiz/acc", "tiny_python_quiz/acc_norm"}
     return tmp / "runs" / "llama", tasks
 
 
@@ -94,6 +97,9 @@ def _by_hand(run_path) -> tuple[float, float]:
 
 def test_lm_eval_on_a_local_task_scores_what_the_log_likelihoods_say(run_dir, capsys):
     run_path, tasks = run_dir
+    during = {s: json.loads((run_path / "lm_eval" / f"step_{s:08d}.json").read_text()) for s in (2, 3)}
+    logged = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "lm_eval/tiny_python_quiz/acc" in r] == [2, 3]
     code = main(["eval", str(run_path), "--tasks", "tiny_python_quiz", "--include-path", str(tasks),
                  "--offline", "--device", "cpu", "--batch-size", "8"])
     out = capsys.readouterr().out
@@ -106,13 +112,16 @@ def test_lm_eval_on_a_local_task_scores_what_the_log_likelihoods_say(run_dir, ca
     scores = written["results"]["tiny_python_quiz"]
     assert scores["acc,none"] == pytest.approx(acc, abs=1e-12)
     assert scores["acc_norm,none"] == pytest.approx(acc_norm, abs=1e-12)
+    # The in-training evaluation after the last step saw the same union model.
+    assert during[3]["results"]["tiny_python_quiz"]["acc,none"] == scores["acc,none"]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_path / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     points = events.Scalars("lm_eval/tiny_python_quiz/acc")
-    assert [(p.step, p.value) for p in points] == [(3, pytest.approx(acc, abs=1e-6))]
+    assert [p.step for p in points] == [2, 3, 3]  # in training at steps 2 and 3, then `subnetdp eval`
+    assert points[-1].value == pytest.approx(acc, abs=1e-6)
 
 
 def test_a_task_that_needs_a_download_is_named_offline(run_dir, capsys):
