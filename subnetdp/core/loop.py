@@ -47,7 +47,7 @@ class Run:
     parallel: Any = None  # subnetdp.parallel.apply.Parallelism
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
-    downstream: Any = None  # eval.tasks: (lm-eval task manager, loaded tasks), else None
+    downstream: Any = None  # eval.tasks: the lm-eval tasks, loaded with their data at set-up; else None
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,7 +99,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
 
         require_compilable(comm.device, str(cfg.train.compile_backend))
 
-    tasks = _downstream_tasks(cfg)  # a task that is unknown or needs a download fails here, on every rank
+    tasks = _downstream_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
@@ -367,12 +367,16 @@ def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     return metrics
 
 
-def _downstream_tasks(cfg: DictConfig) -> Any:
-    """``eval.tasks``: lm-eval's task manager and the tasks loaded with their data (None without)."""
+def _downstream_tasks(cfg: DictConfig, data: DataModule) -> Any:
+    """``eval.tasks``: the lm-eval tasks loaded with their data (None without), before any process group."""
     tasks = [str(t) for t in cfg.eval.tasks]
     if not tasks:
         return None
     from subnetdp import downstream
+
+    if data.tokenizer() is None:
+        raise ConfigError("eval.tasks", tasks, f"data.root={cfg.data.root} does not say which tokenizer made its "
+                          "tokens (no meta.json)", "prepare the data with `subnetdp prepare-text`, or eval.tasks=[]")
 
     downstream.set_offline(bool(cfg.eval.offline))
     manager = downstream.task_manager(tasks, [str(cfg.eval.include_path)] if cfg.eval.include_path else [])
@@ -385,9 +389,6 @@ def _evaluate_tasks(run: Run, union: torch.nn.Module, log: RunLogger, step: int)
 
     cfg = run.cfg
     tok = run.data.tokenizer()
-    if tok is None:
-        raise ConfigError("eval.tasks", list(cfg.eval.tasks), "the data does not say which tokenizer made it",
-                          "prepare the data with `subnetdp prepare-text` (it writes meta.json)")
     model = union.to(run.comm.device).eval()
     lm = downstream.make_lm(model, tok, run.comm.device, int(run.spec.seq_len) or 2048, int(cfg.eval.task_batch_size))
     limit = float(cfg.eval.task_limit) or None
