@@ -112,6 +112,8 @@ def cmd_prepare_text(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
+    if ns.tasks:
+        return _eval_tasks(ns)
     from subnetdp.export import evaluate_checkpoint
 
     loaded, metrics = evaluate_checkpoint(ns.path)
@@ -123,7 +125,32 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_tasks(ns: argparse.Namespace) -> int:
+    from subnetdp.downstream import evaluate_checkpoint_tasks, scalars, table
+
+    tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
+    limit = float(ns.limit) if ns.limit else None
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    loaded, results, written = evaluate_checkpoint_tasks(
+        ns.path, tasks, ns.include_path or [], limit, ns.num_fewshot, ns.batch_size, ns.device, ns.offline)
+    if ns.json:
+        print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "lm_eval": scalars(results),
+                          "written": str(written)}))
+    else:
+        print(f"{loaded.path} (step {loaded.manifest['step']}), lm-eval:\n{table(results)}\nwrote {written}")
+    return 0
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
+    if ns.format == "hf":
+        from subnetdp.hf import export_hf
+
+        out, files = export_hf(ns.checkpoint, ns.out)
+        print(f"wrote {', '.join(files)} to {out}; load with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+              + ("" if "tokenizer.json" in files else " (the run's tokenizer is unknown: no tokenizer files)"))
+        return 0
     from subnetdp.export import export
 
     out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate)
@@ -138,15 +165,31 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
                                    "checkpoint, in one process (BatchNorm recalibrated as in the run).")
     p.add_argument("path", metavar="RUN_DIR|CHECKPOINT")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--tasks", default="", metavar="T1,T2",
+                   help="run lm-evaluation-harness tasks (e.g. arc_easy,boolq,hellaswag,openbookqa,sciq) on the "
+                        "union model instead; scores go to RUN_DIR/lm_eval/ and TensorBoard (needs subnetdp[eval])")
+    p.add_argument("--include-path", action="append", metavar="DIR",
+                   help="a folder of lm-eval task YAML files (your own tasks, local data); repeatable")
+    p.add_argument("--limit", default=None, metavar="N", help="at most N documents per task (a fraction if < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--offline", action="store_true",
+                   help="never download task data: use the datasets cache and local files only")
     p.set_defaults(func=cmd_eval)
-    p = sub.add_parser("export", help="export a checkpoint as the plain reference model",
+    p = sub.add_parser("export", help="export a checkpoint as the plain reference model or a Hugging Face model",
                        description="Write the union model as the reference architecture's plain state_dict "
                                    "(OUT/model.safetensors) and the options to rebuild it (OUT/reference.json); "
-                                   "rebuild with subnetdp.export.load_reference(OUT).")
+                                   "rebuild with subnetdp.export.load_reference(OUT). With --format hf (LLaMA): "
+                                   "a Hugging Face model directory (config.json, model.safetensors, tokenizer) "
+                                   "that transformers' AutoModelForCausalLM.from_pretrained(OUT) loads.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--no-recalibrate", action="store_true",
                    help="keep the averaged BatchNorm statistics instead of recalibrating them")
+    p.add_argument("--format", choices=("subnetdp", "hf"), default="subnetdp",
+                   help="subnetdp: the reference architecture's state_dict (default); hf: Hugging Face "
+                        "transformers model directory")
     p.set_defaults(func=cmd_export)
 
 

@@ -11,7 +11,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -63,6 +63,14 @@ class EvalConfig:
     batches: int = 0
     batch_size: int = 256
     bn_recalibrate_batches: int = 20
+    # Downstream tasks of lm-evaluation-harness on the union model at every evaluation (language
+    # models; needs subnetdp[eval]); see docs/downstream.md.
+    tasks: list[str] = field(default_factory=list)
+    include_path: str = ""  # a folder of lm-eval task YAML files (your own tasks, local data)
+    task_limit: float = 0.0  # at most this many documents per task (a fraction if < 1; 0 = all)
+    num_fewshot: Optional[int] = None  # None: each task's own
+    task_batch_size: int = 16
+    offline: bool = False  # never download task data: the datasets cache and local files only
 
 
 @dataclass
@@ -323,12 +331,30 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
     _check_fsdp(cfg)
+    _check_eval_tasks(cfg, registries)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
+
+
+def _check_eval_tasks(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """``eval.tasks`` needs lm-eval and a language model (task names are checked by the loop's set-up)."""
+    tasks = list(cfg.eval.tasks)
+    if not tasks:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("eval.tasks", tasks, "needs lm-evaluation-harness, which is not installed",
+                          "pip install 'subnetdp[eval]', or eval.tasks=[]")
+    if getattr(registries["data"].get(cfg.data.name), "tokenizer", None) is None:
+        raise ConfigError("eval.tasks", tasks, f"data '{cfg.data.name}' has no tokenizer to turn task text into tokens",
+                          "use a language-model dataset such as data.name=tokens, or eval.tasks=[]")
+    _check_range(cfg, "eval.task_limit", 0.0, None, fix="0 evaluates every document")
+    _check_range(cfg, "eval.task_batch_size", 1, None)
 
 
 def _check_checkpoint_keys(cfg: DictConfig) -> None:

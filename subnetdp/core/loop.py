@@ -47,6 +47,7 @@ class Run:
     parallel: Any = None  # subnetdp.parallel.apply.Parallelism
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    downstream: Any = None  # eval.tasks: the lm-eval tasks, loaded with their data at set-up; else None
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -98,6 +99,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
 
         require_compilable(comm.device, str(cfg.train.compile_backend))
 
+    tasks = _downstream_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
@@ -105,6 +107,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
     run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+    run.downstream = tasks
     from subnetdp.parallel.apply import parallelize
 
     # collective when sharded: FSDP's device mesh is created on every rank.
@@ -359,7 +362,43 @@ def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     metrics = evaluate(union, run.adapter, run.data, run.cfg)
     log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
     log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+    if run.downstream is not None:
+        metrics.update(_evaluate_tasks(run, union, log, step))
     return metrics
+
+
+def _downstream_tasks(cfg: DictConfig, data: DataModule) -> Any:
+    """``eval.tasks``: the lm-eval tasks loaded with their data (None without), before any process group."""
+    tasks = [str(t) for t in cfg.eval.tasks]
+    if not tasks:
+        return None
+    from subnetdp import downstream
+
+    if data.tokenizer() is None:
+        raise ConfigError("eval.tasks", tasks, f"data.root={cfg.data.root} does not say which tokenizer made its "
+                          "tokens (no meta.json)", "prepare the data with `subnetdp prepare-text`, or eval.tasks=[]")
+
+    downstream.set_offline(bool(cfg.eval.offline))
+    manager = downstream.task_manager(tasks, [str(cfg.eval.include_path)] if cfg.eval.include_path else [])
+    return downstream.load_tasks(manager, tasks)
+
+
+def _evaluate_tasks(run: Run, union: torch.nn.Module, log: RunLogger, step: int) -> dict[str, float]:
+    """lm-eval on the union model, on this rank's device (rank 0 only); scores as ``<task>/<metric>``."""
+    from subnetdp import downstream
+
+    cfg = run.cfg
+    tok = run.data.tokenizer()
+    model = union.to(run.comm.device).eval()
+    lm = downstream.make_lm(model, tok, run.comm.device, int(run.spec.seq_len) or 2048, int(cfg.eval.task_batch_size))
+    limit = float(cfg.eval.task_limit) or None
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    # The tasks were loaded once at set-up; lm-eval rebuilds their requests at every evaluation.
+    results = downstream.run_tasks(lm, run.downstream, limit, cfg.eval.num_fewshot, int(cfg.seed))
+    downstream.write_results(run.run_dir, step, results, log)
+    union.cpu()
+    return downstream.scalars(results)
 
 
 def _write_start(run: Run, log: RunLogger) -> None:
