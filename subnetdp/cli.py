@@ -45,6 +45,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         argv = ["train"] + ([recipe] if recipe else []) + overrides
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
         return launch_local(nproc, argv)
+    if env.launcher != "none":
+        from subnetdp.launchers.lifetime import worker_dies_with_launcher
+
+        worker_dies_with_launcher()  # a killed launcher takes its workers with it
     from subnetdp.core.loop import train
 
     train(cfg, env, pm)
@@ -210,8 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.simplefilter("default", UserWarning)
+    from subnetdp.core.stopping import Interrupted
+
     try:
         return int(ns.func(ns) or 0)
+    except Interrupted as e:  # a signal stopped the run at a step boundary: one line, no traceback
+        if e.message:
+            print(f"subnetdp: {e.message}", file=sys.stderr, flush=True)
+        return e.exit_code
     except SubnetdpError as e:
         print(f"subnetdp: error: {e}", file=sys.stderr, flush=True)
         return 2

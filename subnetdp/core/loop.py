@@ -22,6 +22,7 @@ from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.resume import Checkpointer
+from subnetdp.core.stopping import Interrupted, StopRequest, stop_message
 from subnetdp.core.sync import OwnerGroupAverager, clip_to
 from subnetdp.core.union import assemble_union, evaluate
 from subnetdp.core.variants import is_backward, local_model, partition_model
@@ -184,15 +185,16 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
     env = env or detect()
     pm = pm or PluginManager()
     set_threads(cfg, env)
-    run = setup(cfg, env, pm)
-    try:
-        _train(run, pm)
-    finally:
-        run.comm.shutdown()
+    with StopRequest(env.rank) as stopper:  # SIGINT/SIGTERM: stop at a step boundary, with a checkpoint
+        run = setup(cfg, env, pm)
+        try:
+            _train(run, pm, stopper)
+        finally:
+            run.comm.shutdown()
     return run
 
 
-def _train(run: Run, pm: PluginManager) -> None:
+def _train(run: Run, pm: PluginManager, stopper: StopRequest | None = None) -> None:
     cfg, comm, model, adapter = run.cfg, run.comm, run.model, run.adapter
     rank, device, steps = run.rank, comm.device, int(cfg.train.steps)
     run.optimizer = optimizer = build_optimizer(cfg.optim, model.parameters())
@@ -210,6 +212,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     accum = int(cfg.train.grad_accum)
     samples_per_step = comm.world_size * int(cfg.train.batch_size) * accum
     pm.hook.subnetdp_on_run_start(run=run)
+    if stopper is not None:
+        stopper.armed = True  # from here a signal stops the run at the next step boundary
     bar = _progress(cfg, rank, steps)
     loss_sum, loss_n, step_times, sync_bytes, wire = 0.0, 0, [], 0, 0.0
     group_bytes: dict[tuple[int, ...], int] = {}  # payload per owner group, summed over steps
@@ -297,6 +301,10 @@ def _train(run: Run, pm: PluginManager) -> None:
         ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
         if bar is not None:
             bar.update(1)
+        if stopper is not None and step < steps:
+            who = stopper.agreed(comm)  # collective: every rank reaches this at the end of every step
+            if who:
+                _stop(run, ckpt, step, who, bar, log)
     if bar is not None:
         bar.close()
     done = max(1, steps - first + 1)
@@ -305,6 +313,22 @@ def _train(run: Run, pm: PluginManager) -> None:
                              peak_cpu or _peak_memory(device), group_bytes)
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
+
+
+def _stop(run: Run, ckpt: Checkpointer, step: int, who: dict[int, int], bar: Any, log: RunLogger) -> None:
+    """Every rank: checkpoint this step (unless it was just saved), then raise :class:`Interrupted`."""
+    from subnetdp.core import checkpoint as ck
+
+    path = ckpt.last_saved if ckpt.last_saved == ck.step_dir(run.run_dir, step) else None
+    if path is None and run.cfg.checkpoint.enabled:
+        path = ckpt.save(step)  # collective: every rank agreed to stop after this step
+    if bar is not None:
+        bar.close()
+    log.close()
+    signum = who.get(run.rank) or who[min(who)]
+    cfg = run.cfg
+    hint = f"subnetdp train ... resume=auto run.dir={cfg.run.dir} run.name={cfg.run.name}"
+    raise Interrupted(stop_message(who, step, path, hint) if run.rank == 0 else "", 128 + signum)
 
 
 def _refresher(run: Run) -> Any:
