@@ -85,6 +85,7 @@ class CheckpointConfig:
     enabled: bool = True
     every: int = 0  # 0 = only at the end
     keep: int = 2  # complete checkpoints kept, newest first; 0 = all
+    final: str = "auto"  # auto | always | never: the checkpoint after the last step (auto: see resume.final_wanted)
 
 
 @dataclass
@@ -185,10 +186,10 @@ def _resolve(cfg: DictConfig) -> None:
 
 
 def _shown(layer: DictConfig, key: Any) -> Any:
-    """A value for an error message: containers are shown as ``{...}``."""
+    """A value for an error message, containers as plain dicts and lists."""
     node = layer._get_node(key)
     if isinstance(node, (DictConfig, ListConfig)):
-        return "{...}"
+        return OmegaConf.to_container(node, resolve=False)
     return node._value() if node is not None else None
 
 
@@ -221,6 +222,9 @@ def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictC
         key = f"{prefix}{e.full_key}" if getattr(e, "full_key", None) else prefix.rstrip(".")
         value = OmegaConf.select(layer, str(e.full_key)) if getattr(e, "full_key", None) else None
         msg = str(getattr(e, "msg", e)).splitlines()[0]
+        if value is None and "None" in msg:  # `key=` with nothing after the '='
+            raise ConfigError(key, "", f"is empty ({source})",
+                              f"give it a value ({key}=...), or leave it out to keep the default") from None
         raise ConfigError(key, value, f"wrong type ({source}): {msg}") from None
     except (TypeError, ValueError) as e:  # OmegaConf lets a few container clashes through as these
         key = prefix.rstrip(".") or ", ".join(map(str, layer.keys()))
@@ -322,6 +326,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "launch.threads_per_rank", 0, None)
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
+    _check_added_keys(cfg)
     _check_fsdp(cfg)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
@@ -347,6 +352,12 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     elif resume != "never" and not Path(resume).exists():
         raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+def _check_added_keys(cfg: DictConfig) -> None:
+    from subnetdp.core.upfront import check_choices
+
+    check_choices(cfg)
 
 
 def _check_fsdp(cfg: DictConfig) -> None:

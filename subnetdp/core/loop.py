@@ -80,10 +80,19 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
     return data, spec, adapter, full, partition, plan.replicated(int(cfg.fsdp.shard_size))
 
 
-def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
-    """Validate the communicator, data and plan for ``world_size`` ranks before any worker is started."""
-    pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
-    return _build_plan(cfg, world_size, pm)[-1]
+def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool = True) -> MaskPlan:
+    """Validate the communicator, run directory, data and plan for ``world_size`` ranks before any
+    worker is started (``machine=False``: the workers run elsewhere, skip this machine's checks)."""
+    from subnetdp.core import upfront
+
+    if machine:
+        upfront.check_backend(cfg, pm.registries, world_size)
+    else:
+        pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
+    upfront.check_run_dir(cfg)
+    data, *_, plan = _build_plan(cfg, world_size, pm)
+    upfront.check_batch_fits(cfg, data, world_size)
+    return plan
 
 
 def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
@@ -307,6 +316,9 @@ def _train(run: Run, pm: PluginManager, stopper: StopRequest | None = None) -> N
                 _stop(run, ckpt, step, who, bar, log)
     if bar is not None:
         bar.close()
+    if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
+        run.eval_metrics = _evaluate(run, log, steps)  # collective
+        pm.hook.subnetdp_on_eval_end(run=run, step=steps, metrics=run.eval_metrics)
     done = max(1, steps - first + 1)
     par = run.parallel  # FSDP's own traffic, measured on one step, is added to every step's
     run.summary = _summarise(run, step_times, sync_bytes / done + par.fsdp_bytes, wire / done + par.fsdp_wire,
@@ -421,25 +433,60 @@ def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_pe
             "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
+    if not step_times and not peak:  # resumed after the last step: nothing was measured by this job
+        for r in ranks:
+            r.update(peak_memory_bytes=None, bytes_sent_per_step=None, wire_bytes_per_step_ring=None)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
                "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
                "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
                "ranks": ranks}
+    if not step_times and not peak:
+        summary["note"] = ("resumed from the checkpoint of the last step: the union model was evaluated again; "
+                           "memory, bytes and step time were measured by the job that trained it (metrics.jsonl, "
+                           "TensorBoard), not by this one")
+    summary["checkpoint"] = _final_checkpoint(run)
     if run.rank == 0:
         write_json(run.run_dir / "summary.json", summary)
         print(format_summary(summary, run.run_dir), flush=True)
     return summary
 
 
+def _final_checkpoint(run: Run) -> dict[str, Any]:
+    """Where the last step's checkpoint went and its size, or why there is none."""
+    from subnetdp.core import checkpoint as ck
+    from subnetdp.core.resume import AUTO_FINAL_MIN_STEPS
+
+    path = ck.step_dir(run.run_dir, run.step)
+    if (path / ck.MANIFEST).is_file():
+        return {"path": str(path), "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}
+    cfg = run.cfg
+    if not cfg.checkpoint.enabled:
+        why = "checkpoint.enabled=false"
+    elif str(cfg.checkpoint.final) == "never":
+        why = "checkpoint.final=never"
+    else:
+        why = (f"a short run (checkpoint.final=auto writes one from {AUTO_FINAL_MIN_STEPS} steps, with "
+               "checkpoint.every or resume); set checkpoint.final=always to keep it")
+    return {"path": None, "bytes": 0, "why": why}
+
+
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
     lines = [f"\nrun directory: {run_dir}"]
+    ckpt = summary.get("checkpoint") or {}
+    if ckpt.get("path"):
+        lines.append(f"final checkpoint: {ckpt['path']} ({ckpt['bytes'] / 2**20:.1f} MiB)")
+    elif ckpt:
+        lines.append(f"final checkpoint: none: {ckpt['why']}")
+    if summary.get("note"):
+        lines.append(f"note: {summary['note']}")
     if summary["eval"]:
         lines.append("union model: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
     full = summary["full_model_params"]
     lines.append(f"{'rank':>4}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
     for r in summary["ranks"]:
         lines.append(f"{r['rank']:>4}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
-                     f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  {r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  "
+                     + (f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  " if r["peak_memory_bytes"] is not None else f"{'n/a':>13}  ")
+                     + (f"{r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  " if r["bytes_sent_per_step"] is not None else f"{'n/a':>15}  ")
                      + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))
     return "\n".join(lines)
 
