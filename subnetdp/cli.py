@@ -16,11 +16,12 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     """The optional leading recipe, then ``key=value`` overrides."""
     recipe = None
     rest = list(args)
-    if rest and "=" not in rest[0]:
+    if rest and "=" not in rest[0] and not rest[0].startswith("~"):
         recipe = rest.pop(0)
     for item in rest:
-        if "=" not in item:
-            raise SubnetdpError(f"'{item}' is not a key=value override (a recipe may only come first)")
+        if "=" not in item and not item.startswith("~"):
+            raise SubnetdpError(f"'{item}' is not a key=value override or a ~key deletion "
+                                "(a recipe may only come first)")
     return recipe, rest
 
 

@@ -172,6 +172,23 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+def delete_keys(layers: Sequence[tuple[DictConfig, str]], deletions: Sequence[str]) -> None:
+    """``~key`` overrides: remove ``key`` from the defaults and the recipe, so the schema's default
+    (or, for a whole plugin group like ``~data``, the new ``data.*`` overrides alone) applies."""
+    for item in deletions:
+        key = item[1:]
+        found = False
+        for layer, _ in layers:
+            parent_key, _, last = key.rpartition(".")
+            parent = OmegaConf.select(layer, parent_key) if parent_key else layer
+            if isinstance(parent, DictConfig) and last in parent:
+                del parent[last]
+                found = True
+        if not key or not found:
+            raise ConfigError(key or "~", "~", "is deleted, but neither defaults.yaml nor the recipe sets it",
+                              "write ~KEY for a key the recipe sets, e.g. ~data.image_size or ~data")
+
+
 def _resolve(cfg: DictConfig) -> None:
     """Resolve ``${...}`` interpolations once, so a bad one is a ConfigError naming its key."""
     try:
@@ -247,7 +264,9 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     if recipe:
         path = resolve_recipe(recipe)
         layers.append((_load_yaml(path, "recipe"), f"recipe {path.name}"))
-    layers.append((parse_overrides(overrides), "command line"))
+    deletions = [o for o in overrides if o.startswith("~")]
+    layers.append((parse_overrides([o for o in overrides if not o.startswith("~")]), "command line"))
+    delete_keys(layers[:-1], deletions)
 
     top = OmegaConf.structured(RunConfig)
     for layer, source in layers:

@@ -393,6 +393,10 @@ def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     if union is None:
         return {}
     metrics = evaluate(union, run.adapter, run.data, run.cfg)
+    if step < int(run.cfg.train.steps):  # the final evaluation is in the summary
+        from tqdm import tqdm
+
+        tqdm.write(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
     log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
     return metrics
