@@ -52,10 +52,10 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     return report
 
 
-GAP_NOTE = ("  (ranks are linked when they own a unit together; the spectral gap, 0 to 1, is how fast "
-            "averaging mixes unit values across ranks: 0 means groups of ranks never exchange them, as with "
-            "several components, which is expected at low coverage and harmless for units with one owner; "
-            "near 1 mixes like DDP. Reported, not enforced: worry only when accuracy lags and the gap is near 0)")
+GAP_NOTE = ("  (components: groups of ranks linked by the units they own together; spectral gap, 0 to 1: "
+            "how fast one step's averaging mixes values across all ranks, shared parameters included and "
+            "weighted by size; near 1 mixes like DDP, small values are normal at low coverage. Reported, not "
+            "enforced: worry only when the union model's accuracy lags and the gap is near 0)")
 
 
 def ownership_table(report: dict[str, Any], width: int = 96) -> str:
