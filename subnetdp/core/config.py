@@ -93,6 +93,7 @@ class CheckpointConfig:
     enabled: bool = True
     every: int = 0  # 0 = only at the end
     keep: int = 2  # complete checkpoints kept, newest first; 0 = all
+    final: str = "auto"  # auto | always | never: the checkpoint after the last step (auto: see resume.final_wanted)
 
 
 @dataclass
@@ -179,6 +180,23 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+def delete_keys(layers: Sequence[tuple[DictConfig, str]], deletions: Sequence[str]) -> None:
+    """``~key`` overrides: remove ``key`` from the defaults and the recipe, so the schema's default
+    (or, for a whole plugin group like ``~data``, the new ``data.*`` overrides alone) applies."""
+    for item in deletions:
+        key = item[1:]
+        found = False
+        for layer, _ in layers:
+            parent_key, _, last = key.rpartition(".")
+            parent = OmegaConf.select(layer, parent_key) if parent_key else layer
+            if isinstance(parent, DictConfig) and last in parent:
+                del parent[last]
+                found = True
+        if not key or not found:
+            raise ConfigError(key or "~", "~", "is deleted, but neither defaults.yaml nor the recipe sets it",
+                              "write ~KEY for a key the recipe sets, e.g. ~data.image_size or ~data")
+
+
 def _resolve(cfg: DictConfig) -> None:
     """Resolve ``${...}`` interpolations once, so a bad one is a ConfigError naming its key."""
     try:
@@ -193,10 +211,10 @@ def _resolve(cfg: DictConfig) -> None:
 
 
 def _shown(layer: DictConfig, key: Any) -> Any:
-    """A value for an error message: containers are shown as ``{...}``."""
+    """A value for an error message, containers as plain dicts and lists."""
     node = layer._get_node(key)
     if isinstance(node, (DictConfig, ListConfig)):
-        return "{...}"
+        return OmegaConf.to_container(node, resolve=False)
     return node._value() if node is not None else None
 
 
@@ -229,6 +247,9 @@ def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictC
         key = f"{prefix}{e.full_key}" if getattr(e, "full_key", None) else prefix.rstrip(".")
         value = OmegaConf.select(layer, str(e.full_key)) if getattr(e, "full_key", None) else None
         msg = str(getattr(e, "msg", e)).splitlines()[0]
+        if value is None and "None" in msg:  # `key=` with nothing after the '='
+            raise ConfigError(key, "", f"is empty ({source})",
+                              f"give it a value ({key}=...), or leave it out to keep the default") from None
         raise ConfigError(key, value, f"wrong type ({source}): {msg}") from None
     except (TypeError, ValueError) as e:  # OmegaConf lets a few container clashes through as these
         key = prefix.rstrip(".") or ", ".join(map(str, layer.keys()))
@@ -251,7 +272,9 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     if recipe:
         path = resolve_recipe(recipe)
         layers.append((_load_yaml(path, "recipe"), f"recipe {path.name}"))
-    layers.append((parse_overrides(overrides), "command line"))
+    deletions = [o for o in overrides if o.startswith("~")]
+    layers.append((parse_overrides([o for o in overrides if not o.startswith("~")]), "command line"))
+    delete_keys(layers[:-1], deletions)
 
     top = OmegaConf.structured(RunConfig)
     for layer, source in layers:
@@ -330,6 +353,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "launch.threads_per_rank", 0, None)
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
+    _check_added_keys(cfg)
     _check_fsdp(cfg)
     _check_eval_tasks(cfg, registries)
     adapter = registries["model"].get(cfg.model.name)
@@ -373,6 +397,12 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     elif resume != "never" and not Path(resume).exists():
         raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+def _check_added_keys(cfg: DictConfig) -> None:
+    from subnetdp.core.upfront import check_choices
+
+    check_choices(cfg)
 
 
 def _check_fsdp(cfg: DictConfig) -> None:

@@ -22,6 +22,7 @@ from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.resume import Checkpointer
+from subnetdp.core.stopping import Interrupted, StopRequest, stop_message
 from subnetdp.core.sync import OwnerGroupAverager, clip_to
 from subnetdp.core.union import assemble_union, evaluate
 from subnetdp.core.variants import is_backward, local_model, partition_model
@@ -80,10 +81,19 @@ def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Da
     return data, spec, adapter, full, partition, plan.replicated(int(cfg.fsdp.shard_size))
 
 
-def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
-    """Validate the communicator, data and plan for ``world_size`` ranks before any worker is started."""
-    pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
-    return _build_plan(cfg, world_size, pm)[-1]
+def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool = True) -> MaskPlan:
+    """Validate the communicator, run directory, data and plan for ``world_size`` ranks before any
+    worker is started (``machine=False``: the workers run elsewhere, skip this machine's checks)."""
+    from subnetdp.core import upfront
+
+    if machine:
+        upfront.check_backend(cfg, pm.registries, world_size)
+    else:
+        pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
+    upfront.check_run_dir(cfg)
+    data, *_, plan = _build_plan(cfg, world_size, pm)
+    upfront.check_batch_fits(cfg, data, world_size)
+    return plan
 
 
 def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
@@ -187,15 +197,16 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
     env = env or detect()
     pm = pm or PluginManager()
     set_threads(cfg, env)
-    run = setup(cfg, env, pm)
-    try:
-        _train(run, pm)
-    finally:
-        run.comm.shutdown()
+    with StopRequest(env.rank) as stopper:  # SIGINT/SIGTERM: stop at a step boundary, with a checkpoint
+        run = setup(cfg, env, pm)
+        try:
+            _train(run, pm, stopper)
+        finally:
+            run.comm.shutdown()
     return run
 
 
-def _train(run: Run, pm: PluginManager) -> None:
+def _train(run: Run, pm: PluginManager, stopper: StopRequest | None = None) -> None:
     cfg, comm, model, adapter = run.cfg, run.comm, run.model, run.adapter
     rank, device, steps = run.rank, comm.device, int(cfg.train.steps)
     run.optimizer = optimizer = build_optimizer(cfg.optim, model.parameters())
@@ -213,6 +224,8 @@ def _train(run: Run, pm: PluginManager) -> None:
     accum = int(cfg.train.grad_accum)
     samples_per_step = comm.world_size * int(cfg.train.batch_size) * accum
     pm.hook.subnetdp_on_run_start(run=run)
+    if stopper is not None:
+        stopper.armed = True  # from here a signal stops the run at the next step boundary
     bar = _progress(cfg, rank, steps)
     loss_sum, loss_n, step_times, sync_bytes, wire = 0.0, 0, [], 0, 0.0
     group_bytes: dict[tuple[int, ...], int] = {}  # payload per owner group, summed over steps
@@ -300,14 +313,37 @@ def _train(run: Run, pm: PluginManager) -> None:
         ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
         if bar is not None:
             bar.update(1)
+        if stopper is not None and step < steps:
+            who = stopper.agreed(comm)  # collective: every rank reaches this at the end of every step
+            if who:
+                _stop(run, ckpt, step, who, bar, log)
     if bar is not None:
         bar.close()
+    if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
+        run.eval_metrics = _evaluate(run, log, steps)  # collective
+        pm.hook.subnetdp_on_eval_end(run=run, step=steps, metrics=run.eval_metrics)
     done = max(1, steps - first + 1)
     par = run.parallel  # FSDP's own traffic, measured on one step, is added to every step's
     run.summary = _summarise(run, step_times, sync_bytes / done + par.fsdp_bytes, wire / done + par.fsdp_wire,
                              peak_cpu or _peak_memory(device), group_bytes)
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
+
+
+def _stop(run: Run, ckpt: Checkpointer, step: int, who: dict[int, int], bar: Any, log: RunLogger) -> None:
+    """Every rank: checkpoint this step (unless it was just saved), then raise :class:`Interrupted`."""
+    from subnetdp.core import checkpoint as ck
+
+    path = ckpt.last_saved if ckpt.last_saved == ck.step_dir(run.run_dir, step) else None
+    if path is None and run.cfg.checkpoint.enabled:
+        path = ckpt.save(step)  # collective: every rank agreed to stop after this step
+    if bar is not None:
+        bar.close()
+    log.close()
+    signum = who.get(run.rank) or who[min(who)]
+    cfg = run.cfg
+    hint = f"subnetdp train ... resume=auto run.dir={cfg.run.dir} run.name={cfg.run.name}"
+    raise Interrupted(stop_message(who, step, path, hint) if run.rank == 0 else "", 128 + signum)
 
 
 def _refresher(run: Run) -> Any:
@@ -360,6 +396,10 @@ def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     if union is None:
         return {}
     metrics = evaluate(union, run.adapter, run.data, run.cfg)
+    if step < int(run.cfg.train.steps):  # the final evaluation is in the summary
+        from tqdm import tqdm
+
+        tqdm.write(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
     log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
     if run.downstream is not None:
@@ -436,25 +476,60 @@ def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_pe
             "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
+    if not step_times and not peak:  # resumed after the last step: nothing was measured by this job
+        for r in ranks:
+            r.update(peak_memory_bytes=None, bytes_sent_per_step=None, wire_bytes_per_step_ring=None)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
                "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
                "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
                "ranks": ranks}
+    if not step_times and not peak:
+        summary["note"] = ("resumed from the checkpoint of the last step: the union model was evaluated again; "
+                           "memory, bytes and step time were measured by the job that trained it (metrics.jsonl, "
+                           "TensorBoard), not by this one")
+    summary["checkpoint"] = _final_checkpoint(run)
     if run.rank == 0:
         write_json(run.run_dir / "summary.json", summary)
         print(format_summary(summary, run.run_dir), flush=True)
     return summary
 
 
+def _final_checkpoint(run: Run) -> dict[str, Any]:
+    """Where the last step's checkpoint went and its size, or why there is none."""
+    from subnetdp.core import checkpoint as ck
+    from subnetdp.core.resume import AUTO_FINAL_MIN_STEPS
+
+    path = ck.step_dir(run.run_dir, run.step)
+    if (path / ck.MANIFEST).is_file():
+        return {"path": str(path), "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}
+    cfg = run.cfg
+    if not cfg.checkpoint.enabled:
+        why = "checkpoint.enabled=false"
+    elif str(cfg.checkpoint.final) == "never":
+        why = "checkpoint.final=never"
+    else:
+        why = (f"a short run (checkpoint.final=auto writes one from {AUTO_FINAL_MIN_STEPS} steps, with "
+               "checkpoint.every or resume); set checkpoint.final=always to keep it")
+    return {"path": None, "bytes": 0, "why": why}
+
+
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
     lines = [f"\nrun directory: {run_dir}"]
+    ckpt = summary.get("checkpoint") or {}
+    if ckpt.get("path"):
+        lines.append(f"final checkpoint: {ckpt['path']} ({ckpt['bytes'] / 2**20:.1f} MiB)")
+    elif ckpt:
+        lines.append(f"final checkpoint: none: {ckpt['why']}")
+    if summary.get("note"):
+        lines.append(f"note: {summary['note']}")
     if summary["eval"]:
         lines.append("union model: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
     full = summary["full_model_params"]
     lines.append(f"{'rank':>4}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
     for r in summary["ranks"]:
         lines.append(f"{r['rank']:>4}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
-                     f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  {r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  "
+                     + (f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  " if r["peak_memory_bytes"] is not None else f"{'n/a':>13}  ")
+                     + (f"{r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  " if r["bytes_sent_per_step"] is not None else f"{'n/a':>15}  ")
                      + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))
     return "\n".join(lines)
 
