@@ -25,6 +25,7 @@ from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.resume import Checkpointer
 from subnetdp.sdp.sync import OwnerGroupAverager
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 
 def main() -> None:
@@ -80,7 +81,7 @@ def main() -> None:
     print(f"{row['params']:>11,}  {row['rank_bytes'] / 2**20:>8.1f}  {row['step_s'] * 1000:>6.0f}ms  "
           f"{row['save_s'] * 1000:>6.0f}ms  {row['verify_s'] * 1000:>6.0f}ms  {row['load_s'] * 1000:>6.0f}ms  "
           f"{row['save_over_step']:>9.2f}")
-    out = Path(__file__).parent / "results" / "checkpoint_cost.json"
+    out = results_dir() / "checkpoint_cost.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"repeats": args.repeats, "threads": 1, "result": row}, indent=2))
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [2**k for k in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
@@ -197,7 +198,7 @@ def main() -> None:
         print("  implied by the plan (not measured): " + ", ".join(
             f"{k}: {v['max_bytes_per_rank'] / 2**20:.2f} MiB" for k, v in sizes["implied_by_plan"].items()))
         print("  LLaMA: not on this branch (the LLaMA adapter is another issue's work).")
-        out = ROOT / "benchmarks" / "results"
+        out = results_dir()
         out.mkdir(parents=True, exist_ok=True)
         result = {"command": "python benchmarks/comm_bandwidth.py", "torch": torch.__version__,
                   "mpi": mpi.MPI.Get_library_version().splitlines()[0].strip(), "cpu_count": os.cpu_count(), "load_average_before": load,

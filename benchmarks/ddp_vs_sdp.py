@@ -54,6 +54,7 @@ from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import units_kept
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.union import evaluate
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 RECIPE = "resnet18_digits"  # configs/recipes: ResNet-18, CIFAR stem, digits, SGD, cyclic block masker
 STAGE_BLOCKS = 2  # ResNet-18 has 2 blocks in every stage: the masker's default groups.
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the step whose peak tensor memory is measured (DDP rebuilds its buckets in step 2)")
     parser.add_argument("--coverages", type=float, nargs="+", default=[1.0, 0.75, 0.5],
                         help="subnetdp coverages C to compare with DDP")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ddp_vs_sdp.json",
+    parser.add_argument("--out", type=Path, default=results_dir() / "ddp_vs_sdp.json",
                         help="where to write the JSON results")
     args = parser.parse_args(argv)
     if args.steps < max(2, args.memory_step) or args.memory_step < 2:

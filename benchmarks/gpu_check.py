@@ -38,6 +38,7 @@ from subnetdp.core.config import compose  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.train.loop import train  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 RESULTS: dict = {}
 
@@ -147,7 +148,7 @@ def main() -> int:
         report(f"mpi all_reduce bf16 on {device}", torch.equal(x, torch.full_like(x, 1.25)),
                f"MPI CUDA-aware (asked the library): {mpi.cuda_aware}; {mpi.MPI.Get_library_version().splitlines()[0].strip()}")
         mpi.shutdown()
-    out = ROOT / "benchmarks" / "results"
+    out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     name = "gpu_check_cpu_rehearsal.json" if ns.cpu_rehearsal else "gpu_check.json"
     (out / name).write_text(json.dumps(RESULTS, indent=2, default=str))

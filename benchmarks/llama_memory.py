@@ -33,8 +33,9 @@ from subnetdp.train.optim import build_optimizer
 from subnetdp.core.plan import make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.sync import OwnerGroupAverager
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 GiB = 2**30
 VARIANTS = ("134m", "500m", "1b")
 COVERAGES = ((1.0, "block"), (0.69, "block"), (0.5, "block"), (0.5, "neuron"))

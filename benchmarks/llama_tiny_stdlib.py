@@ -25,8 +25,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 # label: (coverage, granularity)
 RUNS = {"DDP (C=1)": (1.0, "block"), "B-SDP (C=0.5)": (0.5, "block"),
         "N-SDP (C=0.5)": (0.5, "neuron")}

@@ -28,8 +28,9 @@ from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.train.loop import train_loop, setup  # noqa: E402
 from subnetdp.sdp.union import assemble_union, evaluate  # noqa: E402
 from tests.helpers import plugin_manager, run_ranks  # noqa: E402
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 SCALES = (1.0, 0.75, 0.5)
 
 

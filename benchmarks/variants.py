@@ -56,6 +56,7 @@ from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import units_kept
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.union import evaluate
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 RECIPE = "resnet18_digits"
 STAGE_BLOCKS = 2  # blocks per stage of ResNet-18
@@ -231,7 +232,7 @@ def main() -> None:
     parser.add_argument("--memory-step", type=int, default=3)
     parser.add_argument("--recalibrate", type=int, default=10, help="BatchNorm recalibration batches")
     parser.add_argument("--settings", default="4:0.75,4:0.5,8:0.375", help="world:coverage pairs")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "variants.json"))
+    parser.add_argument("--out", default=str(results_dir() / "variants.json"))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     settings = [(int(w), float(c)) for w, c in (s.split(":") for s in args.settings.split(","))]

@@ -47,6 +47,7 @@ from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, trai
 from subnetdp.train.optim import build_optimizer, build_schedule  # noqa: E402
 from subnetdp.core.plan import make_plan  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 MEMORY_MODELS = {
     # Swin-T's widths, depths and heads with the small-image patching of configs/recipes/swin_t_cifar10.yaml.
@@ -273,7 +274,7 @@ def main() -> None:
     ap.add_argument("--memory-batch-size", type=int, default=64, help="per worker, memory step")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vision.json"))
+    ap.add_argument("--out", default=str(results_dir() / "vision.json"))
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     pm = PluginManager()

@@ -16,11 +16,12 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     """The optional leading recipe, then ``key=value`` overrides."""
     recipe = None
     rest = list(args)
-    if rest and "=" not in rest[0]:
+    if rest and "=" not in rest[0] and not rest[0].startswith("~"):
         recipe = rest.pop(0)
     for item in rest:
-        if "=" not in item:
-            raise SubnetdpError(f"'{item}' is not a key=value override (a recipe may only come first)")
+        if "=" not in item and not item.startswith("~"):
+            raise SubnetdpError(f"'{item}' is not a key=value override or a ~key deletion "
+                                "(a recipe may only come first)")
     return recipe, rest
 
 
@@ -32,8 +33,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
+    if ns.print_config:
+        from subnetdp.core.config import to_yaml
+
+        print(to_yaml(cfg), end="")
+        return 0
     env = detect()
     nproc = int(cfg.launch.nproc)
+    if _already_finished(cfg, env):
+        return 0
     if env.launcher == "none" and nproc > 1:
         from subnetdp.train.loop import preflight
         from subnetdp.launchers.local import launch_local
@@ -45,10 +53,28 @@ def cmd_train(ns: argparse.Namespace) -> int:
         argv = ["train"] + ([recipe] if recipe else []) + overrides
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
         return launch_local(nproc, argv)
+    if env.launcher != "none":
+        from subnetdp.launchers.lifetime import worker_dies_with_launcher
+
+        worker_dies_with_launcher()  # a killed launcher takes its workers with it
+    else:
+        from subnetdp.core.upfront import check_run_dir
+
+        check_run_dir(cfg)
     from subnetdp.train.loop import train
 
     train(cfg, env, pm)
     return 0
+
+
+def _already_finished(cfg, env) -> bool:
+    """``resume=auto`` on a run that did all its steps: say so (rank 0) and touch nothing."""
+    from subnetdp.core.upfront import finished_run
+
+    message = finished_run(cfg)
+    if message and env.rank == 0:
+        print(f"subnetdp: {message}", flush=True)
+    return message is not None
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
@@ -64,7 +90,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
         raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
                           "use --launcher mpirun, or comm.name=gloo")
-    preflight(cfg, ns.nproc, pm)  # a bad config or plan fails here, before any worker starts
+    # a bad config or plan fails here, before any worker starts (srun's workers run on other machines)
+    preflight(cfg, ns.nproc, pm, machine=ns.launcher != "srun")
     return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
                       ns.launcher_args.split(), ns.dry_run)
 
@@ -105,6 +132,29 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("subnetdp")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def cmd_recipes(ns: argparse.Namespace) -> int:
+    from subnetdp.core.config import config_root
+
+    rows = []
+    for path in sorted((config_root() / "recipes").glob("*.yaml")):
+        first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+        rows.append((path.stem, first))
+    width = max(len(n) for n, _ in rows)
+    for name, about in rows:
+        print(f"{name:<{width}}  {about}")
+    print("\nrun one with: subnetdp train NAME [key=value ...]; see it resolved with --print-config")
+    return 0
+
+
 def cmd_prepare_text(ns: argparse.Namespace) -> int:
     from subnetdp.plugins.data._prepare import prepare_text_command
 
@@ -112,6 +162,8 @@ def cmd_prepare_text(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
+    if ns.tasks:
+        return _eval_tasks(ns)
     from subnetdp.export import evaluate_checkpoint
 
     loaded, metrics = evaluate_checkpoint(ns.path)
@@ -123,7 +175,33 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_tasks(ns: argparse.Namespace) -> int:
+    from subnetdp.export import evaluate_checkpoint_tasks
+    from subnetdp.train.downstream import scalars, table
+
+    tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
+    limit = float(ns.limit) if ns.limit else None
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    loaded, results, written = evaluate_checkpoint_tasks(
+        ns.path, tasks, ns.include_path or [], limit, ns.num_fewshot, ns.batch_size, ns.device, ns.offline)
+    if ns.json:
+        print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "lm_eval": scalars(results),
+                          "written": str(written)}))
+    else:
+        print(f"{loaded.path} (step {loaded.manifest['step']}), lm-eval:\n{table(results)}\nwrote {written}")
+    return 0
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
+    if ns.format == "hf":
+        from subnetdp.hf import export_hf
+
+        out, files = export_hf(ns.checkpoint, ns.out)
+        print(f"wrote {', '.join(files)} to {out}; load with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+              + ("" if "tokenizer.json" in files else " (the run's tokenizer is unknown: no tokenizer files)"))
+        return 0
     from subnetdp.export import export
 
     out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate)
@@ -138,15 +216,31 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
                                    "checkpoint, in one process (BatchNorm recalibrated as in the run).")
     p.add_argument("path", metavar="RUN_DIR|CHECKPOINT")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--tasks", default="", metavar="T1,T2",
+                   help="run lm-evaluation-harness tasks (e.g. arc_easy,boolq,hellaswag,openbookqa,sciq) on the "
+                        "union model instead; scores go to RUN_DIR/lm_eval/ and TensorBoard (needs subnetdp[eval])")
+    p.add_argument("--include-path", action="append", metavar="DIR",
+                   help="a folder of lm-eval task YAML files (your own tasks, local data); repeatable")
+    p.add_argument("--limit", default=None, metavar="N", help="at most N documents per task (a fraction if < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--offline", action="store_true",
+                   help="never download task data: use the datasets cache and local files only")
     p.set_defaults(func=cmd_eval)
-    p = sub.add_parser("export", help="export a checkpoint as the plain reference model",
+    p = sub.add_parser("export", help="export a checkpoint as the plain reference model or a Hugging Face model",
                        description="Write the union model as the reference architecture's plain state_dict "
                                    "(OUT/model.safetensors) and the options to rebuild it (OUT/reference.json); "
-                                   "rebuild with subnetdp.export.load_reference(OUT).")
+                                   "rebuild with subnetdp.export.load_reference(OUT). With --format hf (LLaMA): "
+                                   "a Hugging Face model directory (config.json, model.safetensors, tokenizer) "
+                                   "that transformers' AutoModelForCausalLM.from_pretrained(OUT) loads.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--no-recalibrate", action="store_true",
                    help="keep the averaged BatchNorm statistics instead of recalibrating them")
+    p.add_argument("--format", choices=("subnetdp", "hf"), default="subnetdp",
+                   help="subnetdp: the reference architecture's state_dict (default); hf: Hugging Face "
+                        "transformers model directory")
     p.set_defaults(func=cmd_export)
 
 
@@ -156,14 +250,36 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
                    help="a recipe file or built-in recipe name, then config overrides")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The project's warnings as one ``subnetdp: warning:`` line, from one process only.
+
+    A worker of ``launch.nproc=N`` stays silent about them (its launcher printed them in its own
+    checks), and so do ranks other than 0 under torchrun, mpirun or srun. Other libraries'
+    warnings keep Python's format.
+    """
+    import os
+
+    from subnetdp.launchers.lifetime import PARENT_ENV
+
+    if "subnetdp" not in str(filename):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+        return
+    if os.environ.get(PARENT_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    print(f"subnetdp: warning: {message}", file=sys.stderr, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="subnetdp", description="Subnetwork Data Parallelism for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"subnetdp {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("train", help="one training run",
                        description="Train with SDP. Under torchrun, rank and world size come from the "
                                    "environment; started plainly with launch.nproc=N (N > 1) it starts N "
                                    "local workers itself.")
     _recipe_args(p)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults, plugin files, recipe, overrides) and exit")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("launch", help="start a recipe under torchrun, mpirun or srun",
                        description="Start N workers of `subnetdp train RECIPE [key=value ...]` under a launcher, "
@@ -187,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
     p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("recipes", help="list the built-in recipes",
+                       description="List the built-in recipes (configs/recipes) with their first comment line; "
+                                   "run one with `subnetdp train NAME`.")
+    p.set_defaults(func=cmd_recipes)
     p = sub.add_parser("plugins", help="list installed plugins",
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -210,8 +330,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     warnings.simplefilter("default", UserWarning)
+    warnings.showwarning = _show_warning
+    from subnetdp.train.stopping import Interrupted
+
     try:
         return int(ns.func(ns) or 0)
+    except Interrupted as e:  # a signal stopped the run at a step boundary: one line, no traceback
+        if e.message:
+            print(f"subnetdp: {e.message}", file=sys.stderr, flush=True)
+        return e.exit_code
     except SubnetdpError as e:
         print(f"subnetdp: error: {e}", file=sys.stderr, flush=True)
         return 2

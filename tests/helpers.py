@@ -113,6 +113,30 @@ def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str,
         dist.destroy_process_group()
 
 
+UNIT_ROUNDOFF = 2.0 ** -24  # fp32
+
+
+def assert_mean_of(actual: torch.Tensor, terms: Sequence[torch.Tensor], what: Any, roundings: int | None = None) -> None:
+    """``actual`` is the fp32 mean of ``terms`` as a reduction computed it, in an order of its own.
+
+    Reordering an fp32 sum of n terms moves it by at most ``(n - 1) * u * sum|x|`` (u = 2**-24), and
+    the division adds one more rounding, so every coordinate lies within ``n * u * mean|x|`` of the
+    exact mean; the bound used is twice that (``roundings`` overrides n for longer chains). This is
+    what the arithmetic explains and nothing more: a wrong divisor or a missing term is far outside it,
+    on every machine, whatever order its kernels sum in.
+    """
+    stack = torch.stack([t.double() for t in terms])
+    exact = stack.mean(0)
+    n = len(terms) if roundings is None else roundings
+    bound = 2 * n * UNIT_ROUNDOFF * stack.abs().mean(0)
+    excess = (actual.double() - exact).abs() - bound
+    worst = int(excess.argmax())
+    assert float(excess.flatten()[worst]) <= 0, (
+        f"{what}: {float(actual.flatten()[worst])!r} is not the mean of its {len(terms)} terms "
+        f"{[float(t.flatten()[worst]) for t in terms]} (exact {float(exact.flatten()[worst])!r}, "
+        f"allowed {float(bound.flatten()[worst]):.3g}) at flat index {worst}")
+
+
 def assert_pieces_at_global_coordinates(sub: Any, pmap: Any, reference: Any, partition: Any, owned: Sequence[int],
                                         rtol: float, atol: float, values: bool = False) -> int:
     """Each owned piece's gradient (and with ``values`` its value, exactly) equals the reference model's

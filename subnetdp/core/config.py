@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -67,6 +67,14 @@ class EvalConfig:
     batches: int = doc('evaluation batches (0 = the whole held-out split)', 0)
     batch_size: int = doc('evaluation batch size', 256)
     bn_recalibrate_batches: int = doc('training batches that recalibrate BatchNorm statistics of the union model', 20)
+    # Downstream tasks of lm-evaluation-harness on the union model at every evaluation (language
+    # models; needs subnetdp[eval]); see docs/downstream.md.
+    tasks: list[str] = doc('lm-evaluation-harness tasks run on the union model at every evaluation (language models; subnetdp[eval])', factory=list)
+    include_path: str = doc('a folder of lm-eval task YAML files (your own tasks, local data)', "")
+    task_limit: float = doc('at most this many documents per task (a fraction if < 1; 0 = all)', 0.0)
+    num_fewshot: Optional[int] = doc("few-shot examples per task (empty: each task's own)", None)
+    task_batch_size: int = doc('batch size of the lm-eval requests', 16)
+    offline: bool = doc('never download task data: the datasets cache and local files only', False)
 
 
 @dataclass
@@ -89,6 +97,7 @@ class CheckpointConfig:
     enabled: bool = doc('write checkpoints (docs/checkpoints.md)', True)
     every: int = doc('steps between checkpoints (0 = only at the end)', 0)
     keep: int = doc('newest complete checkpoints kept (0 = all)', 2)
+    final: str = doc('auto, always or never: the checkpoint after the last step (auto: when checkpoint.every > 0, resume is not never, or train.steps >= 1000)', "auto")
 
 
 @dataclass
@@ -216,6 +225,23 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     return OmegaConf.from_dotlist(list(overrides))
 
 
+def delete_keys(layers: Sequence[tuple[DictConfig, str]], deletions: Sequence[str]) -> None:
+    """``~key`` overrides: remove ``key`` from the defaults and the recipe, so the schema's default
+    (or, for a whole plugin group like ``~data``, the new ``data.*`` overrides alone) applies."""
+    for item in deletions:
+        key = item[1:]
+        found = False
+        for layer, _ in layers:
+            parent_key, _, last = key.rpartition(".")
+            parent = OmegaConf.select(layer, parent_key) if parent_key else layer
+            if isinstance(parent, DictConfig) and last in parent:
+                del parent[last]
+                found = True
+        if not key or not found:
+            raise ConfigError(key or "~", "~", "is deleted, but neither defaults.yaml nor the recipe sets it",
+                              "write ~KEY for a key the recipe sets, e.g. ~data.image_size or ~data")
+
+
 def _resolve(cfg: DictConfig) -> None:
     """Resolve ``${...}`` interpolations once, so a bad one is a ConfigError naming its key."""
     try:
@@ -230,10 +256,10 @@ def _resolve(cfg: DictConfig) -> None:
 
 
 def _shown(layer: DictConfig, key: Any) -> Any:
-    """A value for an error message: containers are shown as ``{...}``."""
+    """A value for an error message, containers as plain dicts and lists."""
     node = layer._get_node(key)
     if isinstance(node, (DictConfig, ListConfig)):
-        return "{...}"
+        return OmegaConf.to_container(node, resolve=False)
     return node._value() if node is not None else None
 
 
@@ -266,6 +292,9 @@ def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictC
         key = f"{prefix}{e.full_key}" if getattr(e, "full_key", None) else prefix.rstrip(".")
         value = OmegaConf.select(layer, str(e.full_key)) if getattr(e, "full_key", None) else None
         msg = str(getattr(e, "msg", e)).splitlines()[0]
+        if value is None and "None" in msg:  # `key=` with nothing after the '='
+            raise ConfigError(key, "", f"is empty ({source})",
+                              f"give it a value ({key}=...), or leave it out to keep the default") from None
         raise ConfigError(key, value, f"wrong type ({source}): {msg}") from None
     except (TypeError, ValueError) as e:  # OmegaConf lets a few container clashes through as these
         key = prefix.rstrip(".") or ", ".join(map(str, layer.keys()))
@@ -288,7 +317,9 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     if recipe:
         path = resolve_recipe(recipe)
         layers.append((_load_yaml(path, "recipe"), f"recipe {path.name}"))
-    layers.append((parse_overrides(overrides), "command line"))
+    deletions = [o for o in overrides if o.startswith("~")]
+    layers.append((parse_overrides([o for o in overrides if not o.startswith("~")]), "command line"))
+    delete_keys(layers[:-1], deletions)
 
     top = OmegaConf.structured(RunConfig)
     for layer, source in layers:
@@ -367,13 +398,32 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "launch.threads_per_rank", 0, None)
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
+    _check_added_keys(cfg)
     _check_fsdp(cfg, registries["comm"].get(cfg.comm.name))
+    _check_eval_tasks(cfg, registries)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
+
+
+def _check_eval_tasks(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """``eval.tasks`` needs lm-eval and a language model (task names are checked by the loop's set-up)."""
+    tasks = list(cfg.eval.tasks)
+    if not tasks:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("eval.tasks", tasks, "needs lm-evaluation-harness, which is not installed",
+                          "pip install 'subnetdp[eval]', or eval.tasks=[]")
+    if not registries["data"].get(cfg.data.name).has_tokenizer():
+        raise ConfigError("eval.tasks", tasks, f"data '{cfg.data.name}' has no tokenizer to turn task text into tokens",
+                          "use a language-model dataset such as data.name=tokens, or eval.tasks=[]")
+    _check_range(cfg, "eval.task_limit", 0.0, None, fix="0 evaluates every document")
+    _check_range(cfg, "eval.task_batch_size", 1, None)
 
 
 def _check_checkpoint_keys(cfg: DictConfig) -> None:
@@ -392,6 +442,12 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     elif resume != "never" and not Path(resume).exists():
         raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+def _check_added_keys(cfg: DictConfig) -> None:
+    from subnetdp.core.upfront import check_choices
+
+    check_choices(cfg)
 
 
 def _check_fsdp(cfg: DictConfig, comm: Any) -> None:

@@ -392,6 +392,11 @@ class Communicator(Plugin, abc.ABC):
         Called before any worker is started (``subnetdp train`` with ``launch.nproc``, ``subnetdp launch``).
         """
 
+    @classmethod
+    def check_machine(cls, name: str) -> None:
+        """Raise :class:`ConfigError` if the launching machine lacks what this backend needs (CUDA for
+        nccl); called in the launching process before workers start, skipped where they run elsewhere (srun)."""
+
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> None:
         """Create the group of ``ranks``. Collective: every rank calls it, in the same order."""
@@ -476,6 +481,16 @@ class ModelAdapter(Plugin, abc.ABC):
         """The union model's state_dict under the reference architecture's names (default: unchanged)."""
         return model.state_dict()
 
+    def hf_export(self, model: "nn.Module", options: dict[str, Any], bos: Optional[int] = None,
+                  eos: Optional[int] = None) -> tuple[dict[str, Any], dict[str, "torch.Tensor"]]:
+        """The union model as a Hugging Face model: its ``config.json`` and its tensors under HF names
+        (``subnetdp export --format hf``). Optional: the default says the plugin has none."""
+        raise NotImplementedError(f"{type(self).__name__} has no Hugging Face export")
+
+    @classmethod
+    def has_hf_export(cls) -> bool:
+        return cls.hf_export is not ModelAdapter.hf_export
+
 
 class DataModule(Plugin, abc.ABC):
     """A dataset: its spec and deterministic, resumable, rank-sharded loaders."""
@@ -490,6 +505,16 @@ class DataModule(Plugin, abc.ABC):
 
     def check(self) -> None:
         """Raise :class:`ConfigError` if the data is missing (called before any process group)."""
+
+    def tokenizer(self) -> Any:
+        """The tokenizer that made the data's tokens (``encode``, ``decode``, ``eot``, ``vocab_size``), or
+        None when there is none or it is unknown. Optional: language-model data that knows it returns it
+        (downstream evaluation and HF export need it)."""
+        return None
+
+    @classmethod
+    def has_tokenizer(cls) -> bool:
+        return cls.tokenizer is not DataModule.tokenizer
 
     @abc.abstractmethod
     def spec(self) -> DataSpec: ...
@@ -594,6 +619,7 @@ class Run:
     parallel: Any = None  # subnetdp.parallel.apply.Parallelism (a floor above this one)
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    downstream: Any = None  # eval.tasks: the lm-eval tasks, loaded with their data at set-up; else None
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property

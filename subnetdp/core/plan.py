@@ -151,11 +151,10 @@ class MaskPlan:
             eff = max(covs)
             if abs(eff - requested) > tol:
                 k = len(groups[g])
-                msgs.append(f"group {g}: {round(eff * k)} of {k} units kept, effective coverage "
-                            f"{eff:.3f} vs masker.coverage={requested} (set masker.group_by=model to "
-                            f"draw across all groups)")
-        for m in msgs:
-            warnings.warn(m, stacklevel=2)
+                msgs.append(f"group {g}: {round(eff * k)} of {k} units kept (effective coverage {eff:.3f})")
+        if msgs:  # one warning for all groups, so it is printed once
+            warnings.warn(f"masker.coverage={requested} is not met exactly: " + "; ".join(msgs)
+                          + " (set masker.group_by=model to draw across all groups)", stacklevel=2)
         return msgs
 
     # ---------------------------------------------------------------- serialisation

@@ -47,9 +47,11 @@ class Registry:
                                 f"'{name}', but it is not a subclass of {base.__name__}")
         if name in self.entries:
             other = self.entries[name].plugin
+            fix = (f"disable one with {DISABLE_ENV}={self._current}" if other != self._current else
+                   "both packages use that entry-point name, so disabling it would switch off both: "
+                   "uninstall one of them (pip uninstall ...)")
             raise SubnetdpError(f"{KIND_WORDS[self.kind]} name '{name}' is registered twice: by plugin "
-                                f"'{other}' and by plugin '{self._current}'; disable one with "
-                                f"{DISABLE_ENV}={self._current}")
+                                f"'{other}' and by plugin '{self._current}'; {fix}")
         self.entries[name] = Entry(name, cls, self._current)
 
     def get(self, name: str, key: str | None = None) -> type:
@@ -169,7 +171,7 @@ class PluginManager:
             package, version = self._package(plugin)
             rows.append({"name": plugin, "kind": "hooks", "plugin": plugin, "package": package, "version": version,
                          "class": "", "hooks": self._hooks(plugin)})
-        return rows
+        return sorted(rows, key=lambda r: (r["kind"], r["name"]))  # kind by kind, names alphabetical
 
     def versions(self) -> dict[str, str]:
         """Plugin name -> 'package==version', for comparing ranks."""

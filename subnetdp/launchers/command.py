@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from subnetdp.core.errors import ConfigError, SubnetdpError
+from subnetdp.launchers.lifetime import run_child_launcher
 
 LAUNCHERS = ("torchrun", "mpirun", "srun")
 
@@ -67,6 +67,7 @@ def run_launch(launcher: str, nproc: int, train_args: Sequence[str], mpirun: str
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # the framework sets torch's own thread count per rank
     try:
-        return subprocess.call(cmd, env=env)
+        # The launcher dies with this process; its workers die with it (lifetime.py).
+        return run_child_launcher(cmd, env)
     except FileNotFoundError as e:
         raise SubnetdpError(f"cannot start {cmd[0]}: {e}") from None

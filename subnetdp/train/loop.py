@@ -20,6 +20,7 @@ from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.train.stopping import Interrupted, StopRequest, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.step import train_step
@@ -52,10 +53,19 @@ def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Dat
     return data, spec, adapter, full, partition, plan.replicated(int(cfg.fsdp.shard_size))
 
 
-def preflight(cfg: DictConfig, world_size: int, pm: PluginManager) -> MaskPlan:
-    """Validate the communicator, data and plan for ``world_size`` ranks before any worker is started."""
-    pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
-    return build_plan(cfg, world_size, pm)[-1]
+def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool = True) -> MaskPlan:
+    """Validate the communicator, run directory, data and plan for ``world_size`` ranks before any
+    worker is started (``machine=False``: the workers run elsewhere, skip this machine's checks)."""
+    from subnetdp.core import upfront
+
+    if machine:
+        upfront.check_backend(cfg, pm.registries, world_size)
+    else:
+        pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
+    upfront.check_run_dir(cfg)
+    data, *_, plan = build_plan(cfg, world_size, pm)
+    upfront.check_batch_fits(cfg, data, world_size)
+    return plan
 
 
 def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
@@ -71,6 +81,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
 
         require_compilable(comm.device, str(cfg.train.compile_backend))
 
+    tasks = _downstream_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
@@ -78,6 +89,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
     run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+    run.downstream = tasks
     from subnetdp.parallel.apply import parallelize
 
     # collective when sharded: FSDP's device mesh is created on every rank.
@@ -153,15 +165,16 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
     env = env or detect()
     pm = pm or PluginManager()
     set_threads(cfg, env)
-    run = setup(cfg, env, pm)
-    try:
-        train_loop(run, pm)
-    finally:
-        run.comm.shutdown()
+    with StopRequest(env.rank) as stopper:  # SIGINT/SIGTERM: stop at a step boundary, with a checkpoint
+        run = setup(cfg, env, pm)
+        try:
+            train_loop(run, pm, stopper)
+        finally:
+            run.comm.shutdown()
     return run
 
 
-def train_loop(run: Run, pm: PluginManager) -> None:
+def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) -> None:
     """Train ``run`` (built by :func:`setup`) to ``train.steps``: the loop, top to bottom."""
     cfg, comm, steps = run.cfg, run.comm, int(run.cfg.train.steps)
     run.optimizer = build_optimizer(cfg.optim, run.model.parameters())
@@ -179,6 +192,8 @@ def train_loop(run: Run, pm: PluginManager) -> None:
     meter = Meter(comm, run.parallel, first, steps, int(cfg.train.memory_step))
     losses: list[float] = []  # this rank's losses since the last log step
     pm.hook.subnetdp_on_run_start(run=run)
+    if stopper is not None:
+        stopper.armed = True  # from here a signal stops the run at the next step boundary
     bar = _progress(cfg, run.rank, steps)
     run.model.train()
     for step in range(first, steps + 1):
@@ -207,8 +222,15 @@ def train_loop(run: Run, pm: PluginManager) -> None:
         ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
         if bar is not None:
             bar.update(1)
+        if stopper is not None and step < steps:
+            who = stopper.agreed(comm)  # collective: every rank reaches this at the end of every step
+            if who:
+                _stop(run, ckpt, step, who, bar, log)
     if bar is not None:
         bar.close()
+    if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
+        run.eval_metrics = _evaluate(run, log, steps)  # collective
+        pm.hook.subnetdp_on_eval_end(run=run, step=steps, metrics=run.eval_metrics)
     run.summary = _summarise(run, meter, max(1, steps - first + 1))
     log.close()
     pm.hook.subnetdp_on_run_end(run=run)
@@ -232,6 +254,22 @@ def _log_step(run: Run, log: RunLogger, meter: Meter, bar: Any, step: int, losse
     log.jsonl(record)
     log.scalars(step, meter.rank_scalars(step), per_rank=True)
     _progress_line(bar, record)
+
+
+def _stop(run: Run, ckpt: Checkpointer, step: int, who: dict[int, int], bar: Any, log: RunLogger) -> None:
+    """Every rank: checkpoint this step (unless it was just saved), then raise :class:`Interrupted`."""
+    from subnetdp.train.checkpoints import files as ck
+
+    path = ckpt.last_saved if ckpt.last_saved == ck.step_dir(run.run_dir, step) else None
+    if path is None and run.cfg.checkpoint.enabled:
+        path = ckpt.save(step)  # collective: every rank agreed to stop after this step
+    if bar is not None:
+        bar.close()
+    log.close()
+    signum = who.get(run.rank) or who[min(who)]
+    cfg = run.cfg
+    hint = f"subnetdp train ... resume=auto run.dir={cfg.run.dir} run.name={cfg.run.name}"
+    raise Interrupted(stop_message(who, step, path, hint) if run.rank == 0 else "", 128 + signum)
 
 
 def _refresher(run: Run) -> Any:
@@ -287,9 +325,49 @@ def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     if union is None:
         return {}
     metrics = evaluate(union, run.adapter, run.data, run.cfg)
+    if step < int(run.cfg.train.steps):  # the final evaluation is in the summary
+        from tqdm import tqdm
+
+        tqdm.write(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
     log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
+    if run.downstream is not None:
+        metrics.update(_evaluate_tasks(run, union, log, step))
     return metrics
+
+
+def _downstream_tasks(cfg: DictConfig, data: DataModule) -> Any:
+    """``eval.tasks``: the lm-eval tasks loaded with their data (None without), before any process group."""
+    tasks = [str(t) for t in cfg.eval.tasks]
+    if not tasks:
+        return None
+    from subnetdp.train import downstream
+
+    if data.tokenizer() is None:
+        raise ConfigError("eval.tasks", tasks, f"data.root={cfg.data.root} does not say which tokenizer made its "
+                          "tokens (no meta.json)", "prepare the data with `subnetdp prepare-text`, or eval.tasks=[]")
+
+    downstream.set_offline(bool(cfg.eval.offline))
+    manager = downstream.task_manager(tasks, [str(cfg.eval.include_path)] if cfg.eval.include_path else [])
+    return downstream.load_tasks(manager, tasks)
+
+
+def _evaluate_tasks(run: Run, union: torch.nn.Module, log: RunLogger, step: int) -> dict[str, float]:
+    """lm-eval on the union model, on this rank's device (rank 0 only); scores as ``<task>/<metric>``."""
+    from subnetdp.train import downstream
+
+    cfg = run.cfg
+    tok = run.data.tokenizer()
+    model = union.to(run.comm.device).eval()
+    lm = downstream.make_lm(model, tok, run.comm.device, int(run.spec.seq_len) or 2048, int(cfg.eval.task_batch_size))
+    limit = float(cfg.eval.task_limit) or None
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    # The tasks were loaded once at set-up; lm-eval rebuilds their requests at every evaluation.
+    results = downstream.run_tasks(lm, run.downstream, limit, cfg.eval.num_fewshot, int(cfg.seed))
+    downstream.write_results(run.run_dir, step, results, log)
+    union.cpu()
+    return downstream.scalars(results)
 
 
 def _write_start(run: Run, log: RunLogger) -> None:
@@ -329,25 +407,60 @@ def _summarise(run: Run, meter: Meter, done: int) -> dict[str, Any]:
             "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
+    if not step_times and not peak:  # resumed after the last step: nothing was measured by this job
+        for r in ranks:
+            r.update(peak_memory_bytes=None, bytes_sent_per_step=None, wire_bytes_per_step_ring=None)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
                "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
                "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
                "ranks": ranks}
+    if not step_times and not peak:
+        summary["note"] = ("resumed from the checkpoint of the last step: the union model was evaluated again; "
+                           "memory, bytes and step time were measured by the job that trained it (metrics.jsonl, "
+                           "TensorBoard), not by this one")
+    summary["checkpoint"] = _final_checkpoint(run)
     if run.rank == 0:
         write_json(run.run_dir / "summary.json", summary)
         print(format_summary(summary, run.run_dir), flush=True)
     return summary
 
 
+def _final_checkpoint(run: Run) -> dict[str, Any]:
+    """Where the last step's checkpoint went and its size, or why there is none."""
+    from subnetdp.train.checkpoints import files as ck
+    from subnetdp.train.checkpoints.resume import AUTO_FINAL_MIN_STEPS
+
+    path = ck.step_dir(run.run_dir, run.step)
+    if (path / ck.MANIFEST).is_file():
+        return {"path": str(path), "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}
+    cfg = run.cfg
+    if not cfg.checkpoint.enabled:
+        why = "checkpoint.enabled=false"
+    elif str(cfg.checkpoint.final) == "never":
+        why = "checkpoint.final=never"
+    else:
+        why = (f"a short run (checkpoint.final=auto writes one from {AUTO_FINAL_MIN_STEPS} steps, with "
+               "checkpoint.every or resume); set checkpoint.final=always to keep it")
+    return {"path": None, "bytes": 0, "why": why}
+
+
 def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
     lines = [f"\nrun directory: {run_dir}"]
+    ckpt = summary.get("checkpoint") or {}
+    if ckpt.get("path"):
+        lines.append(f"final checkpoint: {ckpt['path']} ({ckpt['bytes'] / 2**20:.1f} MiB)")
+    elif ckpt:
+        lines.append(f"final checkpoint: none: {ckpt['why']}")
+    if summary.get("note"):
+        lines.append(f"note: {summary['note']}")
     if summary["eval"]:
         lines.append("union model: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
     full = summary["full_model_params"]
     lines.append(f"{'rank':>4}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
     for r in summary["ranks"]:
         lines.append(f"{r['rank']:>4}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
-                     f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  {r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  "
+                     + (f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  " if r["peak_memory_bytes"] is not None else f"{'n/a':>13}  ")
+                     + (f"{r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  " if r["bytes_sent_per_step"] is not None else f"{'n/a':>15}  ")
                      + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))
     return "\n".join(lines)
 

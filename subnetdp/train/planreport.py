@@ -52,6 +52,12 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     return report
 
 
+GAP_NOTE = ("  (components: groups of ranks linked by the units they own together; spectral gap, 0 to 1: "
+            "how fast one step's averaging mixes values across all ranks, shared parameters included and "
+            "weighted by size; near 1 mixes like DDP, small values are normal at low coverage. Reported, not "
+            "enforced: worry only when the union model's accuracy lags and the gap is near 0)")
+
+
 def ownership_table(report: dict[str, Any], width: int = 96) -> str:
     """Ranks x units as ``#`` (owned) and ``.``; the last line gives each unit's owner count."""
     n = report["num_units"]
@@ -76,14 +82,17 @@ def format_report(report: dict[str, Any]) -> str:
              f"({'dense' if report['owner_sets'] > report['max_groups'] else 'grouped'} sync, "
              f"sync.max_groups={report['max_groups']})",
              f"rank graph: {report['components']} connected component(s); spectral gap {report['spectral_gap']:.4f}",
-             ""]
-    header = f"{'rank':>4}  {'units':>5}  {'params':>12}  {'of full':>7}  {'cost GFLOP':>10}"
+             GAP_NOTE, ""]
+    backward = report.get("regime") == "backward"
+    header = f"{'rank':>4}  {'units':>5}  " + (f"{'params held':>12}  {'trained':>12}" if backward else f"{'params':>12}") \
+        + f"  {'of full':>7}  {'cost GFLOP':>10}"
     est = "peak_memory_bytes" in report["ranks"][0]
     if est:
         header += f"  {'est. peak memory':>16}  {'bytes/step':>12}"
     lines.append(header)
     for row in report["ranks"]:
-        line = (f"{row['rank']:>4}  {row['owned_units']:>5}  {row['params_per_rank']:>12,}  "
+        held = f"{full:>12,}  " if backward else ""  # backward masking: every rank holds the full model
+        line = (f"{row['rank']:>4}  {row['owned_units']:>5}  {held}{row['params_per_rank']:>12,}  "
                 f"{row['params_per_rank'] / full:>7.1%}  {row['cost'] / 1e9:>10.3f}")
         if est:
             line += f"  {row['peak_memory_bytes'] / 2**20:>12.1f} MiB  {row['bytes_per_step'] / 2**20:>8.2f} MiB"
@@ -91,6 +100,9 @@ def format_report(report: dict[str, Any]) -> str:
     if "fsdp_shard_size" in report:
         lines.append(f"fsdp.shard_size={report['fsdp_shard_size']}: ranks r*S..r*S+S-1 form replica r and shard "
                      "its subnetwork with FSDP2 (estimated params and memory: this rank's shards); the plan above is the replicas' plan, repeated for each shard")
+    if backward:
+        lines.append("backward masking: every rank holds the full model and runs its full forward; it trains "
+                     "(keeps gradients and optimizer state for) the parameters of its own units only")
     if est:
         lines.append("peak memory: tensors of one training step (dry run under FakeTensorMode); "
                      "communication libraries' own buffers are not included")

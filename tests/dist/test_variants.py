@@ -4,7 +4,7 @@ One spawn per world size runs every variant, so each spawn's start-up is paid on
 variant: owners of every piece hold bit-identical values and optimizer state after several steps;
 the averaged gradient of each piece is the mean of its owners' local gradients. Backward masking
 (refresh_every=1) also leaves every rank with the identical full model after every step. With 4
-ranks, grouped and dense synchronisation train to the same parameters.
+ranks, grouped and dense synchronisation average to the same gradients.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
 from subnetdp.train.loop import train_loop, setup
 from subnetdp.sdp.resample import family
 from subnetdp.sdp.sync import OwnerGroupAverager
-from tests.helpers import plugin_manager, run_ranks, small_config
+from tests.helpers import assert_mean_of, plugin_manager, run_ranks, small_config
 
 VARIANTS = {"B": ("block", "forward"), "N": ("neuron", "forward"),
             "Bb": ("block", "backward"), "Nb": ("neuron", "backward")}
@@ -160,8 +160,12 @@ def _worker(rank: int, world: int, init_method: str, cases: list[tuple[str, floa
 
 
 def _check_unbiased(results: list[dict], world: int) -> None:
-    """Averaged over every plan of the family, the aggregated gradient is the full-batch gradient."""
-    expected = {n: sum(r["local"][n] for r in results) / world for n in results[0]["local"]}
+    """Averaged over every plan of the family, the aggregated gradient is the full-batch gradient.
+
+    Each plan's piece is a mean over its k <= world owners, and the family mean adds ``members`` more
+    terms, so a coordinate passes through at most ``world + members + 2`` roundings, each of at most
+    u times the mean absolute local gradient (every rank is an owner equally often in the family).
+    """
     members = len(results[0]["per_plan"])
     assert members > 1
     total: dict[tuple, torch.Tensor] = {}
@@ -173,10 +177,10 @@ def _check_unbiased(results: list[dict], world: int) -> None:
                     seen[key] = g
         for key, g in seen.items():
             total[key] = total.get(key, 0) + g / members
-    assert {k[0] for k in total} == set(expected)
+    assert {k[0] for k in total} == set(results[0]["local"])
     for (name, dim, start, stop), g in total.items():
-        ref = expected[name] if dim is None else expected[name].narrow(dim, start, stop - start)
-        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+        terms = [r["local"][name] if dim is None else r["local"][name].narrow(dim, start, stop - start) for r in results]
+        assert_mean_of(g, terms, (name, dim, start, stop), roundings=world + members + 2)
 
 
 def _check_variant(results: list[dict], world: int, backward: bool, refresh_every: int = 1) -> None:
@@ -196,9 +200,8 @@ def _check_variant(results: list[dict], world: int, backward: bool, refresh_ever
             assert key not in results[r]["params"], (key, r)  # nobody else trains it
     for key, holders in results[0]["owners0"].items():
         # The averaged gradient of a piece is the mean of its owners' local gradients (first step).
-        expected = sum(results[o]["local"][key] for o in holders) / len(holders)
         for r in holders:
-            torch.testing.assert_close(results[r]["averaged"][key], expected, rtol=1e-6, atol=1e-7)
+            assert_mean_of(results[r]["averaged"][key], [results[o]["local"][key] for o in holders], (key, r))
     if backward and refresh_every > 1:
         # Non-owned copies go stale between refreshes and agree again right after one.
         for step in range(1, STEPS + 1):
@@ -278,12 +281,21 @@ def test_every_variant_on_four_ranks_dense_sync_and_unbiasedness(tmp_path):
     for v, c, e in CASES_4:
         key = f"{v}/{c}/{' '.join(e)}"
         _check_variant([r[key] for r in results], 4, VARIANTS[v][1] == "backward")
-    # Grouped and dense synchronisation train to the same parameters.
+    # Grouped and dense synchronisation average the same gradients. Compared on the first step, where
+    # both start from the same weights and batch: the local gradients are bit-identical (the same
+    # arithmetic), and each mode's average is the owners' mean up to the order of one fp32 sum
+    # (_check_variant bounds both by what that order can explain). Parameters after several steps are
+    # not compared: AdamW normalises each coordinate's update, so where a gradient is near zero one
+    # rounding of difference becomes a whole step, and which coordinates those are depends on the CPU.
     grouped, dense = "N/0.5/", f"N/0.5/{' '.join(DENSE)}"
-    for r in results:
-        assert r[grouped]["params"].keys() == r[dense]["params"].keys()
-        for k, v in r[grouped]["params"].items():
-            torch.testing.assert_close(r[dense]["params"][k], v, rtol=1e-5, atol=1e-6)
+    for rank, r in enumerate(results):
+        assert r[grouped]["local"].keys() == r[dense]["local"].keys() == r[dense]["averaged"].keys()
+        for k, v in r[grouped]["local"].items():
+            assert torch.equal(r[dense]["local"][k], v), (rank, k)
+        for k, v in r[grouped]["averaged"].items():
+            holders = r[grouped]["owners0"][k]
+            if len(holders) == 1:  # nothing to sum: both modes hand back the rank's own gradient
+                assert torch.equal(r[dense]["averaged"][k], v), (rank, k)
         assert r[dense]["summary"]["sync"] == "dense" and r[grouped]["summary"]["sync"] == "grouped"
         # Dense mode sends the whole model's gradient over the world; grouped only owned pieces.
         assert r[dense]["summary"]["bytes_sent_per_step"] > r[grouped]["summary"]["bytes_sent_per_step"]

@@ -22,7 +22,8 @@ from subnetdp.export import load_union
 from tests.helpers import plugin_manager, small_config
 
 ONE = LaunchEnv(0, 1, 0, 1, "test")
-BASE = ("comm.name=local", "masker.coverage=1", "train.batch_size=8", "optim.warmup_steps=0", "checkpoint.enabled=true")
+BASE = ("comm.name=local", "masker.coverage=1", "train.batch_size=8", "optim.warmup_steps=0", "checkpoint.enabled=true",
+        "checkpoint.final=always")
 
 
 def train_loop(run_dir: Path, name: str, *overrides: str):

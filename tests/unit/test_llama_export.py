@@ -19,7 +19,7 @@ from tests.helpers import plugin_manager, small_config
 def test_llama_export_round_trip(tmp_path):
     cfg = small_config("comm.name=local", "masker.coverage=1", "train.steps=3", "train.batch_size=4",
                        "eval.batches=2", "data.stdlib_max_mb=0.5", f"data.cache_dir={tmp_path}/data",
-                       "run.name=llama", "checkpoint.enabled=true", recipe="llama_tiny_stdlib", run_dir=tmp_path)
+                       "run.name=llama", "checkpoint.enabled=true", "checkpoint.final=always", recipe="llama_tiny_stdlib", run_dir=tmp_path)
     run = train(cfg, LaunchEnv(), plugin_manager())
     ckpt = tmp_path / "llama" / "checkpoints" / "step_00000003"
     export(ckpt, tmp_path / "export", pm=plugin_manager())

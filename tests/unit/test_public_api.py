@@ -65,6 +65,7 @@ FROZEN_API: dict[str, list[str]] = {
         "barrier(self) -> 'None'",
         'broadcast(self, tensor: "\'torch.Tensor\'", src: \'int\', group: \'Sequence[int] | None\' = None) -> \'None\'',
         "check_environment(self) -> 'None'",
+        "check_machine(cls, name: 'str') -> 'None'",
         "check_world_size(cls, world_size: 'int') -> 'None'",
         'device: property',
         "init(self) -> 'None'",
@@ -85,7 +86,9 @@ FROZEN_API: dict[str, list[str]] = {
         "__init__(self, cfg: 'Any', seed: 'int' = 0) -> 'None'",
         "check(self) -> 'None'",
         "eval_loader(self, batch_size: 'int') -> 'Iterable[Any]'",
+        "has_tokenizer(cls) -> 'bool'",
         "spec(self) -> 'DataSpec'",
+        "tokenizer(self) -> 'Any'",
         'train_loader(self, rank: \'int\', world_size: \'int\', batch_size: \'int\') -> "\'ResumableLoader\'"',
     ],
     'DataSpec': [
@@ -150,6 +153,8 @@ FROZEN_API: dict[str, list[str]] = {
     'ModelAdapter': [
         'blocks(self, submodel: "\'nn.Module\'") -> "list[\'nn.Module\']"',
         'build(self, spec: \'DataSpec\') -> "\'nn.Module\'"',
+        "has_hf_export(cls) -> 'bool'",
+        'hf_export(self, model: "\'nn.Module\'", options: \'dict[str, Any]\', bos: \'Optional[int]\' = None, eos: \'Optional[int]\' = None) -> "tuple[dict[str, Any], dict[str, \'torch.Tensor\']]"',
         "inputs(self, batch: 'Any') -> 'Any'",
         'loss(self, output: \'Any\', batch: \'Any\') -> "\'torch.Tensor\'"',
         'materialize(self, model: "\'nn.Module\'", owned: \'Sequence[int]\', partition: \'Partition\') -> "tuple[\'nn.Module\', ParamMap]"',
@@ -195,7 +200,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'Run': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, summary: \'dict[str, Any]\' = <factory>) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
         'rank: property',
     ],
     'SubnetdpError': [
@@ -221,10 +226,18 @@ FROZEN_API: dict[str, list[str]] = {
 }
 FROZEN_CLI: dict[str, list[str]] = {
     'eval': [
+        '--batch-size',
+        '--device',
+        '--include-path',
         '--json',
+        '--limit',
+        '--num-fewshot',
+        '--offline',
+        '--tasks',
         '<RUN_DIR|CHECKPOINT>',
     ],
     'export': [
+        '--format',
         '--no-recalibrate',
         '<CHECKPOINT>',
         '<OUT>',
@@ -262,7 +275,10 @@ FROZEN_CLI: dict[str, list[str]] = {
         '--vocab-size',
         '<FILE_OR_DIR>',
     ],
+    'recipes': [
+    ],
     'train': [
+        '--print-config',
         '<[RECIPE] [key=value ...]>',
     ],
 }

@@ -55,15 +55,17 @@ def test_plan_command_prints_table_json_and_png(tmp_path, capsys):
     assert "(dense sync, sync.max_groups=2)" in capsys.readouterr().out
 
 
-def test_plan_command_with_clipping_and_fsdp(capsys):
+def test_plan_command_with_clipping_and_fsdp(capsys, tmp_path):
     # Options may follow overrides; the LLaMA recipe clips gradients, which the dry run must survive.
+    # The token cache goes to tmp_path: the suite writes nothing into the checkout.
     assert cli.main(["plan", "llama_tiny_stdlib", "-n", "2", "masker.coverage=0.5", "train.batch_size=2",
-                     "data.seq_len=32", "data.stdlib_max_mb=0.5", "--json"]) == 0
+                     "data.seq_len=32", "data.stdlib_max_mb=0.5", f"data.cache_dir={tmp_path}/data", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["coverage"] == 0.5 and all(r["peak_memory_bytes"] > 0 for r in report["ranks"])
     # With FSDP the plan is the replicas' plan repeated per shard, and each rank's step is a dry run of
     # the real FSDP2 over torch's fake process group: the rank holds half of its replica's parameters.
-    args = ["plan", "llama_tiny_stdlib", "-n", "4", "data.stdlib_max_mb=0.5", "train.batch_size=2", "data.seq_len=32"]
+    args = ["plan", "llama_tiny_stdlib", "-n", "4", "data.stdlib_max_mb=0.5", "train.batch_size=2", "data.seq_len=32",
+            f"data.cache_dir={tmp_path}/data"]
     assert cli.main(args + ["fsdp.shard_size=2"]) == 0
     assert "fsdp.shard_size=2: ranks r*S..r*S+S-1 form replica r" in capsys.readouterr().out
     assert cli.main(args + ["fsdp.shard_size=2", "--json"]) == 0

@@ -33,9 +33,9 @@ class NcclCommunicator(TorchDistCommunicator):
             raise ConfigError("train.device", "cpu", f"comm.name={node.name} computes on cuda:LOCAL_RANK",
                               "use train.device=auto (or cuda), or comm.name=gloo to train on CPUs")
 
-    def check_environment(self) -> None:
-        """Raise a :class:`ConfigError` before any process group when NCCL cannot run here."""
-        name = str(self.cfg.name)
+    @classmethod
+    def check_machine(cls, name: str = "nccl") -> None:
+        """CUDA and NCCL on this machine; called in the launching process before workers start."""
         if not torch.cuda.is_available():
             why = ("this torch build has no CUDA" if torch.version.cuda is None
                    else "no CUDA GPU is visible (torch.cuda.is_available() is False)")
@@ -44,6 +44,11 @@ class NcclCommunicator(TorchDistCommunicator):
         if not dist.is_nccl_available():
             raise ConfigError("comm.name", name, "this torch build has no NCCL support",
                               "install a CUDA build of torch, or use comm.name=gloo")
+
+    def check_environment(self) -> None:
+        """Raise a :class:`ConfigError` before any process group when NCCL cannot run here."""
+        name = str(self.cfg.name)
+        self.check_machine(name)
         count = torch.cuda.device_count()
         if self.local_rank >= count:
             raise ConfigError("comm.name", name,

@@ -209,6 +209,26 @@ class TokensData(DataModule):
                               "set data.vocab_size to the tokenizer's vocabulary size (e.g. 50257 for GPT-2)")
         return DataSpec(vocab_size=vocab, seq_len=int(self.cfg.seq_len))
 
+    def tokenizer(self) -> Any:
+        """The tokenizer the shards were made with (``meta.json``), or None when it is unknown.
+
+        A ``ByteTokenizer`` or ``BPETokenizer`` of :mod:`subnetdp.plugins.data._prepare`: ``encode(texts)``,
+        ``decode(ids)``, ``eot``, ``vocab_size``. Used by downstream evaluation and HF export.
+        """
+        from subnetdp.plugins.data._prepare import make_tokenizer
+
+        root = self.root()
+        kind = self._meta.get("tokenizer")
+        if kind == "bytes":
+            return make_tokenizer("bytes")
+        if kind == "bpe" and self._meta.get("tokenizer_file"):
+            path = root / str(self._meta["tokenizer_file"])
+            if not path.is_file():
+                raise ConfigError("data.root", str(self.cfg.root), f"meta.json names {path}, which is missing",
+                                  "copy the tokenizer file beside the shards, or prepare them again")
+            return make_tokenizer("bpe", tokenizer_file=str(path))
+        return None
+
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> TokenLoader:
         return TokenLoader(self._windows("train"), rank, world_size, batch_size, self.seed, bool(self.cfg.shuffle))
 

@@ -53,6 +53,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
+AUTO_FINAL_MIN_STEPS = 1000  # checkpoint.final=auto: runs this long keep their final checkpoint
+
+
+def final_wanted(cfg: Any) -> bool:
+    """Whether the checkpoint after the last step is written (``checkpoint.final``).
+
+    ``auto`` writes it when the run asked for checkpoints (``checkpoint.every > 0``), can be
+    resumed (``resume`` is not ``never``) or is long (``train.steps >= AUTO_FINAL_MIN_STEPS``):
+    a short trial keeps its summary and metrics but not a full copy of its weights and optimizer
+    state, so 25 short trials do not fill a disk. ``always`` / ``never`` decide it outright.
+    """
+    final = str(cfg.checkpoint.get("final", "auto"))
+    if final != "auto":
+        return final == "always"
+    return (int(cfg.checkpoint.every) > 0 or str(cfg.resume) != "never"
+            or int(cfg.train.steps) >= AUTO_FINAL_MIN_STEPS)
+
+
 def _piece_key(p: Any) -> str:
     return p.global_name if p.dim is None else f"{p.global_name}@{p.dim}:{p.global_start}:{p.global_stop}"
 
@@ -98,7 +116,7 @@ class Checkpointer:
     def after_step(self, step: int) -> None:
         """Save when ``checkpoint.every`` divides ``step`` and after the last step. Collective then."""
         every, last = int(self.cfg.checkpoint.every), int(self.cfg.train.steps)
-        if self.cfg.checkpoint.enabled and (step == last or (every and step % every == 0)):
+        if self.cfg.checkpoint.enabled and ((step == last and final_wanted(self.cfg)) or (every and step % every == 0)):
             self.save(step)
         ck.fault_point(ck.KILL_AT_STEP, step, self.rank, self.run.run_dir)
 

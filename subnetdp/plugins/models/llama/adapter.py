@@ -233,6 +233,14 @@ class LlamaAdapter(ModelAdapter):
         """The plain model for :meth:`reference_options` (used by ``subnetdp export``)."""
         return Llama(LlamaArgs(**options))
 
+    def hf_export(self, model: nn.Module, options: dict[str, Any], bos: int | None = None,
+                  eos: int | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The full model as Hugging Face ``LlamaForCausalLM``: its ``config.json`` and its tensors
+        under HF names (used by ``subnetdp export --format hf``; see ``_llama_hf``)."""
+        from subnetdp.plugins.models._llama_hf import hf_config, hf_state_dict
+
+        return hf_config(options, bos, eos, model.tok_embeddings.weight.dtype), hf_state_dict(model)
+
     def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
         if granularity == "neuron":
             return neuron_partition(model, spec, units_per_layer)

@@ -1,0 +1,114 @@
+"""Stopping on SIGINT and SIGTERM at a step boundary, with a checkpoint, on every rank at once.
+
+Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before they kill a job) do not stop a
+rank where it stands: the handler only records the signal, and at the end of the step every rank
+learns, in one tiny all-reduce, whether any rank received one. All ranks then write a checkpoint of
+that step together and leave with :class:`Interrupted` (exit code 128 + the signal's number, one
+line on the console, no traceback). A second signal aborts at once, without a checkpoint.
+
+A signal that arrives before the loop starts (set-up, rendezvous, resuming) leaves at once too:
+there is nothing to save yet.
+
+The local launcher and torchrun start workers in a session of their own and forward one signal to
+each, so one Ctrl-C in a terminal is one signal per worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from subnetdp.core.errors import SubnetdpError
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(SubnetdpError):
+    """A run stopped by a signal; the CLI prints ``message`` (when not empty) and exits ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.message, self.exit_code = message, exit_code
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class StopRequest:
+    """Records SIGINT/SIGTERM for the loop; use as a context manager around set-up and training.
+
+    Args:
+        rank: this rank (only rank 0 prints).
+        exit_now: called with the exit code for a signal that must end the process at once
+            (before the loop, or a second signal); ``os._exit`` by default.
+    """
+
+    def __init__(self, rank: int = 0, exit_now: Callable[[int], Any] = os._exit) -> None:
+        self.rank = rank
+        self.signum = 0
+        self.armed = False  # set by the loop: from then on a first signal waits for the step boundary
+        self._exit_now = exit_now
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._saved[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, old in self._saved.items():
+            signal.signal(s, old)
+        self._saved.clear()
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            os.write(sys.stderr.fileno(), f"subnetdp: {text}\n".encode())
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal_name(signum)
+        if not self.armed:
+            self._say(f"{name} during set-up: stopped (nothing to save yet)")
+            self._exit_now(128 + signum)
+            return
+        if self.signum:
+            self._say(f"second signal ({name}): aborting now, without a checkpoint")
+            self._exit_now(128 + signum)
+            return
+        self.signum = signum
+        self._say(f"{name} received: stopping after this step, with a checkpoint "
+                  "(press Ctrl-C again to abort at once)")
+
+    def agreed(self, comm: Any) -> dict[int, int]:
+        """Which ranks received a signal (rank -> signal number); empty to go on. Collective.
+
+        One all-reduce of ``world_size`` numbers: every rank gets the same answer, so all stop
+        after the same step.
+        """
+        world = comm.world_size
+        if world == 1:
+            return {0: self.signum} if self.signum else {}
+        flags = torch.zeros(world, dtype=torch.float32, device=comm.device)
+        flags[comm.rank] = float(self.signum)
+        with comm.bytes.phase("stop"):  # a control message, not a training step's traffic
+            # collective: every rank reaches this at the end of every step.
+            comm.all_reduce(flags, comm.world).wait()
+        return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
+
+
+def stop_message(who: dict[int, int], step: int, checkpoint: Any, resume_hint: str) -> str:
+    """The one line printed when a run stops on a signal."""
+    kinds = sorted({signal_name(s) for s in who.values()})
+    ranks = ", ".join(map(str, sorted(who)))
+    where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpoint.enabled=false)"
+    line = f"stopped by {'/'.join(kinds)} (rank {ranks}) after step {step}: {where}"
+    return line + (f"; continue with {resume_hint}" if checkpoint and resume_hint else "")

@@ -1,0 +1,145 @@
+"""Signals and kills through the real launchers: nothing is lost, nobody is left behind.
+
+Real processes, real signals sent to the launcher by PID: SIGTERM stops both ranks after a step
+with a checkpoint that a resumed run continues from, then ``resume=auto`` on the finished run
+leaves it untouched; a second signal aborts at once; SIGKILL of ``subnetdp train launch.nproc=2``
+and of ``subnetdp launch`` takes every worker with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from subnetdp.train.checkpoints import files as ck
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")
+
+SUBNETDP = [sys.executable, "-m", "subnetdp"]
+ARGS = ["resnet18_digits", "train.steps=400", "train.batch_size=8", "train.log_every=1", "train.progress=false",
+        "eval.bn_recalibrate_batches=2", "eval.every=0", "launch.threads_per_rank=1", "checkpoint.keep=2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p}
+        found |= kids
+        todo += list(kids)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(p)
+    return out
+
+
+def _start(cmd: list[str], run: Path) -> tuple[subprocess.Popen, set[int]]:
+    """Start ``cmd`` and wait until its run has logged two steps; returns it and its workers."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)  # a signal to the test's process group never reaches it
+    deadline = time.monotonic() + 180
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.communicate()}")
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the run logged no step within 180 s")
+    workers = {p for p in _children(proc.pid)
+               if b"subnetdp" in Path(f"/proc/{p}/cmdline").read_bytes() and b"train" in Path(f"/proc/{p}/cmdline").read_bytes()}
+    assert len(workers) >= 2, workers
+    return proc, workers
+
+
+def _gone_within(pids: set[int], seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alone(tmp_path):
+    run = tmp_path / "term"
+    common = [*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=term"]
+    proc, workers = _start(common, run)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in out + err and not _gone_within(workers, 5)
+    lines = [ln for ln in err.splitlines() if ln.startswith("subnetdp: stopped")]
+    assert len(lines) == 1, err[-3000:]
+    step = int(re.search(r"after step (\d+)", lines[0]).group(1))
+    saved = ck.step_dir(run, step)
+    assert str(saved) in lines[0] and (saved / ck.MANIFEST).is_file()
+    assert json.loads((saved / ck.MANIFEST).read_text())["step"] == step
+    assert not (run / "summary.json").exists()
+
+    # The stopped run continues from its checkpoint to the end ...
+    done = subprocess.run([*common[:-1], "run.name=term", "resume=auto", f"train.steps={step + 1}"],
+                          capture_output=True, text=True, env=ENV, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {saved} (step {step})" in done.stdout
+    summary = run / "summary.json"
+    assert json.loads(summary.read_text())["steps"] == step + 1
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    # ... and resume=auto on the finished run says so, exits 0 and touches nothing.
+    again = subprocess.run([*common[:-1], "run.name=term", "resume=auto", f"train.steps={step + 1}"],
+                           capture_output=True, text=True, env=ENV, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert f"already finished its {step + 1} steps" in again.stdout and "starting" not in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+def test_a_second_signal_aborts_at_once_and_sigkill_takes_the_workers_along(tmp_path):
+    proc, workers = _start([*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=twice"],
+                           tmp_path / "twice")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # two signals sent at once would reach the launcher as one
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in out + err, err[-3000:]
+    assert "aborting now" in err and not _gone_within(workers, 5)
+
+    proc, workers = _start([*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=killed"],
+                           tmp_path / "killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert not _gone_within(workers, 5), "workers outlived their SIGKILLed launcher"
+
+
+def test_sigkill_of_subnetdp_launch_takes_torchrun_and_the_workers_along(tmp_path):
+    cmd = [*SUBNETDP, "launch", "--nproc", "2", *ARGS, f"run.dir={tmp_path}", "run.name=launched"]
+    proc, workers = _start(cmd, tmp_path / "launched")
+    below = _children(proc.pid)  # torchrun and its workers
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert not _gone_within(below | workers, 5), "torchrun or workers outlived subnetdp launch"
