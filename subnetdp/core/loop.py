@@ -16,6 +16,7 @@ from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
                                      ParamMap, Partition)
 from subnetdp.core.errors import ConfigError, RankMismatchError
+from subnetdp.core.local_steps import LocalStepsSynchronizer
 from subnetdp.core.metrics import (RunLogger, bytes_by_group, group_label, live_state_bytes,
                                    plan_figure, tensor_digest, training_state_tensors, write_json)
 from subnetdp.core.optim import build_optimizer, build_schedule
@@ -198,6 +199,7 @@ def _train(run: Run, pm: PluginManager) -> None:
     run.optimizer = optimizer = build_optimizer(cfg.optim, model.parameters())
     scheduler = build_schedule(cfg.optim, optimizer, steps)
     run.averager = averager = run.parallel.averager()  # collective: owner groups are created here
+    local = averager if isinstance(averager, LocalStepsSynchronizer) else None  # sync.mode=local_steps
     refresher = _refresher(run)
     resampler = _resampler(run)
     log = RunLogger(run.run_dir, rank, bool(cfg.run.tensorboard))
@@ -250,6 +252,14 @@ def _train(run: Run, pm: PluginManager) -> None:
                 clip_to(averager, grad_norm, clip)
                 optimizer.step()
             scheduler.step()
+            if local is not None and local.due(step, steps):
+                # collective: owners average their parameter deltas, then the outer optimizer steps.
+                marks = (comm.bytes.total(), comm.bytes.ring_estimate(), dict(comm.bytes.by_group))
+                local.synchronise(step)
+                sync_bytes += comm.bytes.total() - marks[0]
+                wire += comm.bytes.ring_estimate() - marks[1]
+                for g, n in comm.bytes.by_group.items():
+                    group_bytes[g] = group_bytes.get(g, 0) + n - marks[2].get(g, 0)
             if refresher is not None and refresher.due(step):
                 sent = refresher.refresh()  # collective: owners' new values reach every rank
                 sync_bytes, wire = sync_bytes + sent, wire + sent
@@ -288,6 +298,8 @@ def _train(run: Run, pm: PluginManager) -> None:
                                "rank/peak_memory_bytes": peak_cpu or _peak_memory(device)}, per_rank=True)
             log.scalars(step, {f"rank/bytes_by_group/{group_label(g)}": n / (step - first + 1) for g, n in group_bytes.items()},
                         per_rank=True)
+            if local is not None and local.syncs:  # the last synchronisation's payload over its H-step cycle
+                log.scalars(step, {"rank/bytes_sent_per_step_cycle": local.bytes_per_step_cycle()}, per_rank=True)
             _progress_line(bar, record)
         eval_every = int(cfg.eval.every)
         if step == steps or (eval_every and step % eval_every == 0):
@@ -313,8 +325,10 @@ def _refresher(run: Run) -> Any:
         return None
     from subnetdp.core.backward import Refresher
 
+    # With local steps owners disagree between synchronisations: refresh only right after one.
+    cycle = int(run.cfg.sync.every) if run.cfg.sync.mode == "local_steps" else 1
     return Refresher(run.model, run.pmap, run.plan, run.partition, run.comm,
-                     int(run.cfg.masker.refresh_every), float(run.cfg.sync.bucket_cap_mb))
+                     int(run.cfg.masker.refresh_every) * cycle, float(run.cfg.sync.bucket_cap_mb))
 
 
 def _resampler(run: Run) -> Any:
