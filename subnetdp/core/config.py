@@ -399,7 +399,7 @@ def _check_local_steps(cfg: DictConfig) -> None:
     if int(cfg.eval.every) % every:
         raise ConfigError("eval.every", int(cfg.eval.every), f"must be a multiple of sync.every={every} with "
                           "sync.mode=local_steps, so the union model is evaluated right after a synchronisation",
-                          f"use eval.every={every * max(1, round(int(cfg.eval.every) / every))} (0: only at the end)")
+                          f"use eval.every={every * -(-int(cfg.eval.every) // every)} (0: only at the end)")
 
 
 def check_world(cfg: DictConfig, world_size: int) -> int:

@@ -28,7 +28,7 @@ Inner optimizer state stays local: each rank's AdamW moments (or SGD momentum) k
 synchronisations from its own gradients, as DiLoCo does; only parameters are averaged. The
 alternative, averaging the inner state among owners at every synchronisation too, would keep
 owners' optimizer state identical (the per-step invariant) but triple the bytes of a
-synchronisation for AdamW, and the DiLoCo studies report no gain from it.
+synchronisation for AdamW (docs/local_steps.md).
 
 Non-finite steps: between synchronisations a rank that sees an inf/NaN loss or gradient skips its
 own inner step and counts it; the counts travel with the next synchronisation's world bucket, so
