@@ -7,7 +7,8 @@ level. Runs, all at the same number of inner steps and the same per-rank batch:
 - DDP: coverage 1, synchronised every step (subnetdp at C = 1 is DDP: tested against torch's DDP);
 - SDP C = 0.5 every step;
 - SDP C = 0.5 with local steps, H = 4, 16, 64 (``sync.every``), outer SGD with Nesterov momentum
-  (``sync.outer_lr=0.7``, ``sync.outer_momentum=0.9``, DiLoCo's values).
+  (``sync.outer_lr=0.7``, ``sync.outer_momentum=0.9``, DiLoCo's values);
+- SDP C = 0.5 with H = 16 and plain averaging (``sync.outer_lr=1``, ``sync.outer_momentum=0``).
 
 Each over ``--seeds`` seeds (the seed draws the initial weights and the data order). Reported: the
 union model's validation loss after the last step (mean ± sample std over seeds), bytes handed to
@@ -46,6 +47,9 @@ RUNS = {  # label: overrides
     "SDP C=0.5, every step": ["masker.coverage=0.5"],
     **{f"SDP C=0.5, H={h}": ["masker.coverage=0.5", "sync.mode=local_steps", f"sync.every={h}", *OUTER]
        for h in (4, 16, 64)},
+    # Plain averaging (outer lr 1, no momentum): the outer optimizer's share of the result.
+    "SDP C=0.5, H=16, avg": ["masker.coverage=0.5", "sync.mode=local_steps", "sync.every=16",
+                             "sync.outer_lr=1", "sync.outer_momentum=0"],
 }
 
 
@@ -85,6 +89,7 @@ def main() -> int:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--latency-us", type=float, default=100.0)
     parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    parser.add_argument("--out", default="local_steps.json", help="file name in benchmarks/results/")
     args = parser.parse_args()
     latency = args.latency_us * 1e-6
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,8 +132,8 @@ def main() -> int:
            "batch_size": args.batch_size, "latency_us": args.latency_us, "platform": platform.platform(),
            "model": "t = measured step time + ring wire bytes * 8 / bandwidth + collectives per step * latency",
            "rows": rows, "runs": raw, "table": table}
-    (RESULTS / "local_steps.json").write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {RESULTS / 'local_steps.json'}")
+    (RESULTS / args.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {RESULTS / args.out}")
     return 0
 
 
