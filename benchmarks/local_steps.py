@@ -24,8 +24,9 @@ norm's all-reduce at every step for per-step SDP below C = 1, and ``latency`` = 
 (default 100 us). ``t_measured`` already contains the local gloo traffic of these processes, so the
 projection slightly over-counts communication; every figure is the mean over ranks and seeds.
 
-Run: ``nice -n 19 .venv/bin/python benchmarks/local_steps.py [--steps 256] [--seeds 2]``. Writes
-``benchmarks/results/local_steps.json``.
+Run: ``nice -n 19 .venv/bin/python benchmarks/local_steps.py [--steps 256] [--seeds 2]`` (about 23
+minutes for the 12 runs on 2 cores shared with other jobs; 90-150 s per run). Writes
+``benchmarks/results/local_steps.json`` (``--out`` another name).
 """
 
 from __future__ import annotations
