@@ -27,8 +27,16 @@ PLUGIN_GROUPS = ("model", "masker", "comm", "data")
 
 @dataclass
 class SyncConfig:
+    """``sync.*``: owner-group buckets; ``mode=local_steps`` synchronises every ``every`` steps
+    (docs/local_steps.md)."""
+
     bucket_cap_mb: float = doc('gradient bucket size (MiB) of the owner-group all-reduces', 25.0)
     max_groups: int = doc('most distinct owner sets before the synchroniser falls back to dense averaging', 64)
+    mode: str = doc('every_step or local_steps (owners average parameter deltas every sync.every steps, DiLoCo-style)', "every_step")
+    every: int = doc('local_steps: inner steps per synchronisation (H)', 16)
+    outer_lr: float = doc('local_steps: outer SGD learning rate (1 with momentum 0 = plain averaging)', 0.7)
+    outer_momentum: float = doc('local_steps: outer Nesterov momentum', 0.9)
+    outer_on_host: bool = doc('local_steps: keep the outer state (anchor, momentum) in host memory', False)
 
 
 @dataclass
@@ -176,6 +184,7 @@ CHOICES = {
     "train.compile_backend": ("inductor", "aot_eager", "eager"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.on_nonfinite": ("stop", "skip"),
+    "sync.mode": ("every_step", "local_steps"),
 }
 
 
@@ -400,6 +409,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_checkpoint_keys(cfg)
     _check_added_keys(cfg)
     _check_fsdp(cfg, registries["comm"].get(cfg.comm.name))
+    _check_local_steps(cfg)
     _check_eval_tasks(cfg, registries)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
@@ -468,6 +478,29 @@ def _check_fsdp(cfg: DictConfig, comm: Any) -> None:
         raise ConfigError("comm.name", cfg.comm.name, f"fsdp.shard_size={size} needs torch.distributed process "
                           "groups (FSDP2 all-gathers and reduce-scatters through them)",
                           "use comm.name=gloo (CPU) or comm.name=nccl (GPU)")
+
+
+def _check_local_steps(cfg: DictConfig) -> None:
+    """``sync.mode=local_steps``: its ranges, and what it does not compose with."""
+    _check_range(cfg, "sync.every", 1, None, fix="1 synchronises after every step")
+    _check_range(cfg, "sync.outer_lr", 0.0, None, lo_open=True, fix="1 with sync.outer_momentum=0 is plain averaging")
+    momentum = float(cfg.sync.outer_momentum)
+    if not 0.0 <= momentum < 1.0:
+        raise ConfigError("sync.outer_momentum", momentum, "must be in [0, 1)", "0 turns outer momentum off; DiLoCo uses 0.9")
+    if cfg.sync.mode != "local_steps":
+        return
+    every = int(cfg.sync.every)
+    needs = (("fsdp.shard_size", 1, "composing local steps with FSDP's sharded parameters is not built"),
+             ("masker.resample_every", 0, "a re-drawn plan would move units in the middle of a cycle"))
+    for key, want, why in needs:
+        value = OmegaConf.select(cfg, key, default=want)
+        if value != want:
+            raise ConfigError(key, value, f"sync.mode=local_steps needs {key}={want}: {why}",
+                              f"set {key}={want}, or sync.mode=every_step")
+    if int(cfg.eval.every) % every:
+        raise ConfigError("eval.every", int(cfg.eval.every), f"must be a multiple of sync.every={every} with "
+                          "sync.mode=local_steps, so the union model is evaluated right after a synchronisation",
+                          f"use eval.every={every * -(-int(cfg.eval.every) // every)} (0: only at the end)")
 
 
 def check_world(cfg: DictConfig, world_size: int) -> int:

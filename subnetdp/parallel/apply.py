@@ -28,6 +28,7 @@ class Parallelism:
         self.checkpointed = apply_ac(blocks, int(cfg.train.activation_checkpointing))
         self.compiled = apply_compile(blocks, str(cfg.train.compile_backend)) if cfg.train.compile else 0
         self.mesh = None
+        self.synchroniser: Any = None  # made by :meth:`averager`
         # FSDP's all-gather and reduce-scatter bytes of one step, measured by :meth:`counting`.
         self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = 0, 0.0, {}
         if self.shard_size > 1:
@@ -44,6 +45,15 @@ class Parallelism:
     def averager(self) -> Any:
         """The gradient synchroniser for this rank's (possibly sharded) model. Collective (creates groups)."""
         run, cfg = self.run, self.run.cfg
+        if str(cfg.sync.mode) == "local_steps":  # FSDP is refused for it before any process group exists
+            from subnetdp.sdp.local_steps import LocalStepsSynchronizer
+
+            s = cfg.sync
+            self.synchroniser = LocalStepsSynchronizer(
+                run.model, run.pmap, run.plan, run.partition, run.comm, int(s.every), float(s.outer_lr),
+                float(s.outer_momentum), bool(s.outer_on_host), float(s.bucket_cap_mb), int(s.max_groups),
+                on_nonfinite=str(cfg.train.on_nonfinite))
+            return self.synchroniser
         if self.sharded:
             from subnetdp.parallel.fsdp import ShardedOwnerAverager
 
@@ -116,8 +126,9 @@ class Parallelism:
             state_from_local(optimizer)
 
     def describe(self) -> dict[str, Any]:
+        sync = self.synchroniser.describe() if self.synchroniser is not None else {"sync_mode": "every_step"}
         return {"fsdp_shard_size": self.shard_size, "precision": self.precision,
-                "activation_checkpointing": len(self.checkpointed), "compiled_blocks": self.compiled}
+                "activation_checkpointing": len(self.checkpointed), "compiled_blocks": self.compiled, **sync}
 
 
 def autocast_for(precision: str, device_type: str, sharded: bool, checkpointed: bool) -> Any:

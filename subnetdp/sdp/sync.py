@@ -489,6 +489,11 @@ class NonFiniteGuard:
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if not ranks:
             return True, norm
+        if getattr(sync, "defers_nonfinite", False):
+            # Local steps: no collective between synchronisations; this rank skips its step, and every
+            # rank hears of it at the next synchronisation (which applies train.on_nonfinite).
+            sync.defer_nonfinite(step)
+            return False, norm
         where = f"step {step}, rank(s) {', '.join(map(str, ranks))}"
         if self.policy == "skip":
             if comm.rank == 0:

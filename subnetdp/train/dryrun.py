@@ -156,5 +156,12 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     averager.remove_hooks()
-    return {"peak_memory_bytes": int(tracker.peak), "bytes_per_step": float(grad_bytes),
+    peak = tracker.peak
+    if str(cfg.sync.mode) == "local_steps":
+        # One synchronisation's buckets every sync.every steps; the outer state (anchor, and momentum
+        # unless it is 0) is one copy of the trained parameters each, counted on the host too.
+        grad_bytes /= int(cfg.sync.every)
+        copies = 2 if float(cfg.sync.outer_momentum) > 0 else 1
+        peak += copies * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"peak_memory_bytes": int(peak), "bytes_per_step": float(grad_bytes),
             "params_held": int(params), "params_trained": int(trainable), "dense_sync": bool(averager.dense)}

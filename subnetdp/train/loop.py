@@ -17,6 +17,7 @@ from subnetdp.core.errors import ConfigError, RankMismatchError
 from subnetdp.parallel.memory import training_state_tensors
 from subnetdp.train.meter import Meter, RunLogger, bytes_by_group, plan_figure, tensor_digest, write_json
 from subnetdp.train.optim import build_optimizer, build_schedule
+from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.resume import Checkpointer
@@ -180,6 +181,7 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
     run.optimizer = build_optimizer(cfg.optim, run.model.parameters())
     scheduler = build_schedule(cfg.optim, run.optimizer, steps)
     run.averager = run.parallel.averager()  # collective: owner groups are created here
+    outer = run.averager if isinstance(run.averager, LocalStepsSynchronizer) else None  # sync.mode=local_steps
     refresher, resampler = _refresher(run), _resampler(run)
     log = RunLogger(run.run_dir, run.rank, bool(cfg.run.tensorboard))
     _write_start(run, log)
@@ -189,6 +191,8 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
     run.step = first - 1
     batches = (_to_device(b, comm.device) for b in loader)
     guard = NonFiniteGuard(comm, str(cfg.train.on_nonfinite), lambda: latest_checkpoint(run.run_dir))
+    if outer is not None:
+        outer.last_good = guard.last_good
     meter = Meter(comm, run.parallel, first, steps, int(cfg.train.memory_step))
     losses: list[float] = []  # this rank's losses since the last log step
     pm.hook.subnetdp_on_run_start(run=run)
@@ -203,7 +207,7 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
             out = train_step(run.model, run.adapter, batches, run.averager, run.optimizer, guard, step=step,
                              accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
                              need_norm=log_step, autocast=run.parallel.autocast, scheduler=scheduler,
-                             refresher=refresher, device=comm.device)
+                             refresher=refresher, outer=outer, last_step=steps, device=comm.device)
             if resampler is not None and resampler.due(step) and step < steps:
                 # collective: every rank re-draws the same plan and receives the pieces it gains.
                 scheduler, refresher = _redraw(run, resampler, step, steps)
@@ -253,6 +257,9 @@ def _log_step(run: Run, log: RunLogger, meter: Meter, bar: Any, step: int, losse
     log.scalars(step, {k: v for k, v in record.items() if k != "step"})
     log.jsonl(record)
     log.scalars(step, meter.rank_scalars(step), per_rank=True)
+    if isinstance(run.averager, LocalStepsSynchronizer) and run.averager.syncs:
+        # local steps: the last synchronisation's payload over its H-step cycle
+        log.scalars(step, {"rank/bytes_sent_per_step_cycle": run.averager.bytes_per_step_cycle()}, per_rank=True)
     _progress_line(bar, record)
 
 
@@ -278,8 +285,10 @@ def _refresher(run: Run) -> Any:
         return None
     from subnetdp.sdp.backward import Refresher
 
+    # With local steps owners disagree between synchronisations: refresh only right after one.
+    cycle = int(run.cfg.sync.every) if run.cfg.sync.mode == "local_steps" else 1
     return Refresher(run.model, run.pmap, run.plan, run.partition, run.comm,
-                     int(run.cfg.masker.refresh_every), float(run.cfg.sync.bucket_cap_mb))
+                     int(run.cfg.masker.refresh_every) * cycle, float(run.cfg.sync.bucket_cap_mb))
 
 
 def _resampler(run: Run) -> Any:

@@ -29,7 +29,8 @@ class StepResult:
 def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[Any], sync: GradSynchronizer,
                optimizer: torch.optim.Optimizer, guard: Any, *, step: int, accum: int = 1, clip: float = 0.0,
                need_norm: bool = False, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-               scheduler: Any = None, refresher: Any = None, device: torch.device | None = None) -> StepResult:
+               scheduler: Any = None, refresher: Any = None, outer: Any = None, last_step: int = 0,
+               device: torch.device | None = None) -> StepResult:
     """One optimizer step of this rank: forward and backward of ``accum`` micro-batches, averaging, update.
 
     Call ``sync.prepare()`` first (it drops the last step's gradients, so a memory baseline taken
@@ -42,6 +43,8 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
         step: the step's number (the refresh and the guard's messages use it).
         need_norm: compute the gradient norm even without clipping (log steps show it).
         refresher: backward masking's broadcaster of owners' values, or None.
+        outer: ``sync.mode=local_steps``: the synchroniser whose owners average their parameter
+            deltas every ``sync.every`` steps and at ``last_step``, or None.
     """
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
@@ -63,6 +66,8 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
+    if outer is not None and outer.due(step, last_step):
+        outer.synchronise(step)  # collective: owners average their parameter deltas; the outer optimizer steps
     if refresher is not None and refresher.due(step):
         comm = refresher.comm
         with comm.bytes.phase("refresh"):

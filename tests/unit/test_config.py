@@ -38,6 +38,10 @@ def test_layers_compose_in_order():
     ("optim.name=adamm", "optim.name", ["valid choices: sgd, adamw, adam", "did you mean 'adam"]),
     ("model.variant=resnet19", "model.variant", ["resnet18, resnet34, resnet50"]),
     ("masker.granularity=layer", "masker.granularity", ["valid choices: block"]),
+    ("sync.mode=local_step", "sync.mode", ["valid choices: every_step, local_steps", "did you mean 'local_steps'"]),
+    ("sync.every=0", "sync.every", ["must be >= 1"]),
+    ("sync.outer_momentum=1", "sync.outer_momentum", ["must be in [0, 1)"]),
+    ("sync.outer_lr=0", "sync.outer_lr", ["must be > 0"]),
 ])
 def test_bad_values_name_the_key(override, key, words):
     with pytest.raises(ConfigError) as e:
@@ -46,6 +50,19 @@ def test_bad_values_name_the_key(override, key, words):
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["fsdp.shard_size=2"], "fsdp.shard_size", ["sync.mode=local_steps needs fsdp.shard_size=1", "sync.mode=every_step"]),
+    (["masker.resample_every=5"], "masker.resample_every", ["needs masker.resample_every=0"]),
+    (["eval.every=10"], "eval.every", ["multiple of sync.every=4", "eval.every=12"]),
+])
+def test_local_steps_refusals_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError) as e:
+        cfg("sync.mode=local_steps", "sync.every=4", *overrides)
+    assert e.value.key == key
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    cfg("sync.mode=local_steps", "sync.every=4", "eval.every=8")  # a multiple is fine
 
 def test_unknown_recipe_suggests_a_close_one():
     with pytest.raises(ConfigError, match="did you mean 'resnet18_digits'"):

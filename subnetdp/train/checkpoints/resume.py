@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.core import config as config_mod
 from subnetdp.core.errors import CheckpointError, SubnetdpError
+from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 
 
 def rng_state() -> dict[str, Any]:
@@ -95,16 +96,26 @@ class Checkpointer:
         local.update(dict(self.run.model.named_buffers()))
         return {n: local[n] for n in self.run.pmap.pieces if n in local}
 
+    def _stored(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(key prefix, local name, tensor)``: parameters and buffers, then any local-steps outer state.
+
+        The outer state has its parameter's local shape, so it is cut and keyed by unit the same way.
+        """
+        out = [("", n, t) for n, t in self._local().items()]
+        if isinstance(self.run.averager, LocalStepsSynchronizer):
+            out += self.run.averager.outer_tensors()
+        return out
+
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
         tensors, slices = {}, {}
-        for name, t in self._local().items():
+        for prefix, name, t in self._stored():
             for p in self.run.pmap.pieces[name]:
-                key = _piece_key(p)
+                key = prefix + _piece_key(p)
                 if p.dim is None:
                     tensors[key] = t.detach().cpu().contiguous()
                 else:
                     tensors[key] = t.detach().narrow(p.dim, p.local_start, p.local_stop - p.local_start).cpu().clone()
-                slices[key] = [p.global_name, p.dim, p.global_start, p.global_stop]
+                slices[key] = [prefix + p.global_name, p.dim, p.global_start, p.global_stop]
         return tensors, slices
 
     def _param_names(self) -> list[str]:
@@ -166,6 +177,8 @@ class Checkpointer:
         state = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
                  "optimizer": self.run.parallel.optimizer_state_out(self.optimizer.state_dict()), "param_names": self._param_names(),
                  "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state()}
+        if isinstance(self.run.averager, LocalStepsSynchronizer):  # inner steps skipped in this cycle so far
+            state["local_steps_nonfinite"] = self.run.averager.nonfinite.clone()
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(state, str(p)),
                                           fault=(step, self.rank))
         return out
@@ -219,10 +232,15 @@ class Checkpointer:
         tensors, slices = ck.read_tensors(ck.verify_file(path, st_name, manifest), manifest, self.rank)
         state = ck.read_state(ck.verify_file(path, state_name, manifest))
         # collective when sharded: full tensors in, cut back into this rank's shards on exit.
+        # A checkpoint written with per-step synchronisation has no outer state (a cycle starts here),
+        # one written with sync.outer_momentum=0 no outer momentum (it starts at zero).
+        present = {k.split("/", 1)[0] + "/" for k in tensors if "/" in k}
         with torch.no_grad(), run.parallel.gathered(writeback=True):
-            for name, t in self._local().items():
+            for prefix, name, t in self._stored():
+                if prefix and prefix not in present:
+                    continue
                 for p in run.pmap.pieces[name]:
-                    key = _piece_key(p)
+                    key = prefix + _piece_key(p)
                     src = tensors.get(key)
                     dst = t if p.dim is None else t.narrow(p.dim, p.local_start, p.local_stop - p.local_start)
                     if src is None or tuple(src.shape) != tuple(dst.shape):
@@ -230,6 +248,11 @@ class Checkpointer:
                         raise CheckpointError(f"{path / st_name}: tensor {key} is {found}, this model needs "
                                               f"{tuple(dst.shape)}: the checkpoint is from a different model")
                     dst.copy_(src)
+            local = run.averager if isinstance(run.averager, LocalStepsSynchronizer) else None
+            if local is not None and "outer_anchor/" not in present:
+                local.restart_cycle()
+        if local is not None and "local_steps_nonfinite" in state:
+            local.nonfinite.copy_(state["local_steps_nonfinite"])
         if state["param_names"] != self._param_names():
             raise CheckpointError(f"{path / state_name}: its optimizer state is for other parameters: "
                                   "the checkpoint is from a different model or plan")

@@ -1,0 +1,244 @@
+"""Local steps with an outer optimizer among owners (``sync.mode=local_steps``, DiLoCo-style).
+
+Every rank runs ``sync.every`` = H inner optimizer steps on its own subnetwork with no collective at
+all: no gradient averaging, and the inner checks (gradient clipping, the inf/NaN guard) look at this
+rank's own gradients. Then, at a *synchronisation*, every owner of a piece hands its pseudo-gradient
+``anchor - theta`` (the parameters at the last synchronisation minus its current ones, i.e. minus
+its delta) to the same owner-keyed buckets the per-step synchroniser uses
+(:class:`~subnetdp.sdp.sync.OwnerGroupAverager`, reused as is: shared tensors over the world, each
+unit among exactly its owners), the buckets are averaged, and an outer SGD with Nesterov momentum
+steps from the anchor::
+
+    g      = mean over owners of (anchor - theta_r)
+    m      = mu * m + g                     (outer momentum, zero at the start)
+    anchor = anchor - lr * (g + mu * m)     (Nesterov; mu = 0: anchor - lr * g)
+    theta  = anchor                         (every owner, bit-identical)
+
+``sync.outer_lr = 1`` and ``sync.outer_momentum = 0`` is plain averaging of the owners' parameters
+(up to rounding: the deltas are averaged, not the parameters). The last step of a run always
+synchronises, so a run ends with owners in agreement; evaluations fall on synchronisations
+(``eval.every`` must be a multiple of ``sync.every``), so the union model is the synchronised one.
+
+The outer state (anchor and momentum, one copy of each trainable local parameter; no momentum at
+``mu = 0``) lives on the device, or on the host with ``sync.outer_on_host`` (pinned when a GPU is
+used); it is checkpointed by unit like the parameters, so a run resumes bit-identically in the
+middle of a cycle.
+
+Inner optimizer state stays local: each rank's AdamW moments (or SGD momentum) keep evolving across
+synchronisations from its own gradients, as DiLoCo does; only parameters are averaged. The
+alternative, averaging the inner state among owners at every synchronisation too, would keep
+owners' optimizer state identical (the per-step invariant) but triple the bytes of a
+synchronisation for AdamW (docs/local_steps.md).
+
+Non-finite steps: between synchronisations a rank that sees an inf/NaN loss or gradient skips its
+own inner step and counts it; the counts travel with the next synchronisation's world bucket, so
+every rank learns of them at the same point and, with ``train.on_nonfinite=stop``, stops there
+together (before the outer update); with ``skip`` rank 0 reports them and training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from subnetdp.core.contracts import Communicator, ParamMap, Partition
+from subnetdp.core.errors import NonFiniteError
+from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.sync import OwnerGroupAverager
+
+
+class LocalStepsSynchronizer:
+    """Owner-group averaging of parameter deltas every ``every`` steps, with an outer Nesterov SGD.
+
+    Between synchronisations it stands in for the per-step synchroniser in the loop (``prepare``,
+    ``no_sync``, ``carry``, ``finish``, ``grad_norm``: all local); :meth:`due` and
+    :meth:`synchronise` are the synchronisation itself.
+
+    Args:
+        model, pmap, plan, partition, comm: as for :class:`OwnerGroupAverager`.
+        every: H, inner steps per synchronisation (``sync.every``).
+        outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum.
+        on_host: keep the outer state in host memory (``sync.outer_on_host``).
+        bucket_cap_mb, max_groups, dense: the bucket layout, as for :class:`OwnerGroupAverager`.
+        on_nonfinite: ``stop`` or ``skip`` (``train.on_nonfinite``).
+    """
+
+    # The inner step's inf/NaN check is this rank's own (no collective between synchronisations):
+    # the guard reads :meth:`carried` and never folds flags over the world.
+    replicated = True
+    defers_nonfinite = True  # the inf/NaN guard hands a bad step to defer_nonfinite
+
+    def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
+                 comm: Communicator, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 on_host: bool = False, bucket_cap_mb: float = 25.0, max_groups: int = 64,
+                 dense: bool | None = None, on_nonfinite: str = "stop") -> None:
+        # collective: the owner groups are created here, exactly as for the per-step synchroniser.
+        self.buckets = OwnerGroupAverager(model, pmap, plan, partition, comm, bucket_cap_mb, max_groups, dense)
+        self.buckets.remove_hooks()  # deltas are packed at a synchronisation, never during backward
+        self.comm, self.every = comm, int(every)
+        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
+        self.on_nonfinite = on_nonfinite
+        self.last_good: Any = lambda: None  # the last good checkpoint, for the error (set by the loop)
+        self.params = self.buckets.params
+        self.dense = self.buckets.dense
+        self.on_host = bool(on_host)
+        pin = self.on_host and torch.cuda.is_available()
+        self._anchor: dict[str, torch.Tensor] = {}
+        self._momentum: dict[str, torch.Tensor] = {}
+        for name, p in self.params.items():
+            a = torch.empty(p.shape, dtype=p.dtype, device="cpu" if self.on_host else p.device, pin_memory=pin)
+            self._anchor[name] = a.copy_(p.detach())
+            if self.outer_momentum > 0:
+                self._momentum[name] = torch.zeros_like(a)
+        self.nonfinite = torch.zeros(comm.world_size, dtype=torch.float32)  # this cycle's skipped steps, per rank
+        self._loss_flags: torch.Tensor | None = None
+        self.syncs, self.sync_bytes, self.last_sync_bytes = 0, 0, 0
+
+    # ------------------------------------------------------------------ inner steps (no collective)
+    def prepare(self) -> None:
+        """Drop the last step's gradients (the per-step synchroniser's buckets hold them)."""
+        self.buckets.prepare()
+        self._loss_flags = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield  # nothing is communicated during backward anyway
+
+    def carry(self, flags: torch.Tensor) -> bool:
+        """Keep this rank's loss flags: the guard's check is local between synchronisations."""
+        self._loss_flags = flags
+        return True
+
+    def carried(self) -> torch.Tensor | None:
+        return self._loss_flags
+
+    def finish(self) -> None:
+        """No gradient collective between synchronisations: the inner step uses local gradients."""
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params.values() if p.grad is not None]
+
+    def grad_norm(self, flags: torch.Tensor | None = None) -> float:
+        """Norm of this rank's own gradient (inner clipping: every piece it trains counted once)."""
+        grads = self.local_grads()
+        if not grads:
+            return 0.0
+        squares = torch.stack(torch._foreach_norm(grads, 2.0)).double().pow(2).sum()
+        return math.sqrt(float(squares))
+
+    def scale_grads_(self, coef: float) -> None:
+        for g in self.local_grads():
+            g.mul_(coef)
+
+    def defer_nonfinite(self, step: int) -> None:
+        """This rank skipped inner step ``step`` (inf/NaN); every rank hears of it at the next synchronisation."""
+        self.nonfinite[self.comm.rank] += 1
+
+    # ------------------------------------------------------------------ synchronisation
+    def due(self, step: int, last: int) -> bool:
+        """Whether ``step`` ends a cycle (every ``every`` steps, and the run's last step)."""
+        return step % self.every == 0 or step == last
+
+    @torch.no_grad()
+    def synchronise(self, step: int) -> None:
+        """Average the owners' deltas in the owner buckets, then the outer step. Collective.
+
+        Every rank of the world calls it at the same steps (:meth:`due`).
+        """
+        before = self.comm.bytes.total()
+        b = self.buckets
+        b.prepare()  # zeroed buckets; .grad of viewable parameters points into them
+        for name, p in self.params.items():
+            a = self._anchor[name]
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(a, non_blocking=True).sub_(p)  # this rank's pseudo-gradient: minus its delta
+        flags = self.nonfinite.to(device=b._device(), dtype=b._dtype())
+        carried = b.carry(flags)
+        b.finish()  # collective: every owner group averages its buckets (the world its shared tensors)
+        if carried:
+            flags = b.carried()
+        elif self.comm.world_size > 1:  # no bucket goes to the whole world: the counts need their own
+            self.comm.all_reduce(flags, self.comm.world).wait()  # collective: every rank
+        self._check_finite(flags.cpu(), step)
+        lr, mu = self.outer_lr, self.outer_momentum
+        for name, p in self.params.items():
+            a = self._anchor[name]
+            g = p.grad if a.device == p.grad.device else p.grad.to(a.device)
+            if mu > 0:
+                m = self._momentum[name]
+                m.mul_(mu).add_(g)
+                g = g.add(m, alpha=mu)  # Nesterov
+            a.add_(g, alpha=-lr)
+            p.copy_(a, non_blocking=True)
+            p.grad = None
+        self.nonfinite.zero_()
+        self.syncs += 1
+        self.last_sync_bytes = self.comm.bytes.total() - before
+        self.sync_bytes += self.last_sync_bytes
+
+    def _check_finite(self, counts: torch.Tensor, step: int) -> None:
+        ranks = {r: int(n) for r, n in enumerate(counts.tolist()) if n}
+        if not ranks:
+            return
+        where = ", ".join(f"rank {r}: {n} step(s)" for r, n in ranks.items())
+        if self.on_nonfinite == "skip":
+            if self.comm.rank == 0:
+                print(f"warning: non-finite loss or gradients in the cycle ending at step {step} ({where}): "
+                      "those inner steps were skipped", flush=True)
+            return
+        good = self.last_good()
+        raise NonFiniteError(f"non-finite loss or gradients in the local steps before the synchronisation at "
+                             f"step {step} ({where}); every rank stops here, without the outer update; the last "
+                             f"good checkpoint is {good or 'none (no checkpoint was written yet)'} — lower "
+                             "optim.lr, set optim.clip_grad_norm, or set train.on_nonfinite=skip")
+
+    # ------------------------------------------------------------------ state, figures
+    def outer_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(key prefix, local parameter name, tensor)`` of the outer state, for checkpoints.
+
+        Each tensor has its parameter's local shape, so it is cut into pieces and keyed by unit
+        exactly as the parameter is.
+        """
+        out = [("outer_anchor/", n, a) for n, a in self._anchor.items()]
+        return out + [("outer_momentum/", n, m) for n, m in self._momentum.items()]
+
+    def restart_cycle(self) -> None:
+        """Anchor at the current parameters, zero momentum (resuming a checkpoint without outer state)."""
+        for name, p in self.params.items():
+            self._anchor[name].copy_(p.detach())
+        for m in self._momentum.values():
+            m.zero_()
+
+    def outer_state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, _, t in self.outer_tensors())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Persistent bucket buffers and the outer state (on the host too), for memory accounting."""
+        return self.buckets.state_tensors() + [t for _, _, t in self.outer_tensors()]
+
+    def bytes_per_step(self) -> float:
+        """Payload per step averaged over the cycle: one synchronisation's buckets every ``every`` steps."""
+        return self.buckets.bytes_per_step() / self.every
+
+    def bytes_per_step_cycle(self) -> float:
+        """Measured: the last synchronisation's payload divided by the cycle length."""
+        return self.last_sync_bytes / self.every
+
+    def remove_hooks(self) -> None:
+        self.buckets.remove_hooks()
+
+    def owner_groups(self) -> list[tuple[int, ...]]:
+        return self.buckets.owner_groups()
+
+    def describe(self) -> dict[str, Any]:
+        """The summary's fields of this synchroniser (per rank)."""
+        return {"sync_mode": "local_steps", "sync_every": self.every, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "outer_state_on": "host" if self.on_host else "device",
+                "outer_state_bytes": self.outer_state_bytes(), "syncs": self.syncs,
+                "bytes_per_sync": self.sync_bytes / max(1, self.syncs),
+                "bytes_per_step_cycle": self.sync_bytes / max(1, self.syncs) / self.every}
