@@ -38,8 +38,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
         from subnetdp.core.loop import preflight
         from subnetdp.launchers.local import launch_local
 
-        # Fail on a bad plan here, before any worker or process group exists.
+        # Fail on a bad plan or a busy run directory here, before any worker or process group exists.
         preflight(cfg, nproc, pm)
+        if cfg.run.name:
+            from pathlib import Path
+
+            from subnetdp.core.runlock import check_free
+            check_free(Path(str(cfg.run.dir)) / str(cfg.run.name))
         if not cfg.run.name:
             overrides.append(f"run.name={default_run_name(cfg, nproc)}{time.strftime('-%Y%m%d-%H%M%S')}")
         argv = ["train"] + ([recipe] if recipe else []) + overrides
@@ -114,7 +119,7 @@ def cmd_prepare_text(ns: argparse.Namespace) -> int:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from subnetdp.export import evaluate_checkpoint
 
-    loaded, metrics = evaluate_checkpoint(ns.path)
+    loaded, metrics = evaluate_checkpoint(ns.path, data=ns.data)
     if ns.json:
         print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "eval": metrics}))
     else:
@@ -126,10 +131,14 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     from subnetdp.export import export
 
-    out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate)
+    out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate, data=ns.data)
     print(f"wrote {out / 'model.safetensors'} and {out / 'reference.json'}; rebuild with "
           f"subnetdp.export.load_reference({str(out)!r})")
     return 0
+
+
+_DATA_HELP = ("the data to evaluate (or recalibrate) on, replacing the checkpoint's data section, e.g. "
+              "data.root=DIR; without it the checkpoint's data is used when reading it cannot run code")
 
 
 def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
@@ -137,6 +146,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
                        description="Evaluate the union model of a checkpoint, or of a run directory's newest "
                                    "checkpoint, in one process (BatchNorm recalibrated as in the run).")
     p.add_argument("path", metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("data", nargs="*", metavar="data.KEY=VALUE", help=_DATA_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("export", help="export a checkpoint as the plain reference model",
@@ -145,6 +155,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
                                    "rebuild with subnetdp.export.load_reference(OUT).")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
     p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("data", nargs="*", metavar="data.KEY=VALUE", help=_DATA_HELP)
     p.add_argument("--no-recalibrate", action="store_true",
                    help="keep the averaged BatchNorm statistics instead of recalibrating them")
     p.set_defaults(func=cmd_export)

@@ -145,13 +145,36 @@ def resolve_recipe(recipe: str) -> Path:
                       + suggest(p.stem, known))
 
 
+def first_lines(path: Path, lines: int = 3, width: int = 100) -> str:
+    """The opening of a file for an error message: a few lines, each cut short, never the whole file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(lines * (width + 1) * 4)
+    except OSError as e:
+        return f"<unreadable: {e.strerror}>"
+    if b"\0" in raw:
+        return "<binary data>"
+    head = ["".join(c if c.isprintable() else "?" for c in line)
+            for line in raw.decode("utf-8", "replace").splitlines()[:lines]]
+    return " | ".join(line[:width] + ("..." if len(line) > width else "") for line in head)
+
+
+def clipped(value: Any, width: int = 80) -> str:
+    """A value for an error message: its first line, at most ``width`` characters."""
+    text = str(value)
+    first = text.splitlines()[0] if text.strip() else text
+    return first[:width] + ("..." if len(first) > width or first != text else "")
+
+
 def _load_yaml(path: Path, what: str) -> DictConfig:
     try:
         cfg = OmegaConf.load(path)
-    except Exception as e:  # a YAML syntax error, reported with the file
-        raise ConfigError(what, str(path), f"cannot be parsed: {e}") from None
+    except Exception as e:  # a YAML syntax error, reported with the file's opening, never all of it
+        raise ConfigError(what, str(path), f"cannot be parsed ({clipped(e)}); it begins: {first_lines(path)}",
+                          "give a YAML file of config keys, e.g. a file from configs/recipes") from None
     if not isinstance(cfg, DictConfig):
-        raise ConfigError(what, str(path), "must hold a mapping of config keys")
+        raise ConfigError(what, str(path), f"must hold a mapping of config keys; it begins: {first_lines(path)}",
+                          "give a YAML file of config keys, e.g. a file from configs/recipes")
     return cfg
 
 
@@ -246,11 +269,15 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     layers.append((parse_overrides(overrides), "command line"))
 
     top = OmegaConf.structured(RunConfig)
+    valid = sorted(list(top.keys()) + list(PLUGIN_GROUPS))
+    if recipe and len(layers[1][0]) and not any(k in valid for k in layers[1][0].keys()):
+        raise ConfigError("recipe", recipe, f"is not a subnetdp recipe: none of its top-level keys is a config "
+                          f"key ({', '.join(valid)}); it begins: {first_lines(path)}",
+                          "give a YAML file of config keys, e.g. a file from configs/recipes")
     for layer, source in layers:
         for key in layer.keys():
             if key not in top.keys() and key not in PLUGIN_GROUPS:
-                valid = sorted(list(top.keys()) + list(PLUGIN_GROUPS))
-                raise ConfigError(str(key), _shown(layer, key),
+                raise ConfigError(clipped(key), clipped(_shown(layer, key)),
                                   f"unknown top-level key (from {source}); valid: {', '.join(valid)}"
                                   + suggest(str(key), valid))
     cfg = top
@@ -322,6 +349,7 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "launch.threads_per_rank", 0, None)
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
+    _check_run_name(cfg)
     _check_fsdp(cfg)
     adapter = registries["model"].get(cfg.model.name)
     if cfg.masker.granularity not in adapter.granularities:
@@ -347,6 +375,22 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
     elif resume != "never" and not Path(resume).exists():
         raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
+
+
+def _check_run_name(cfg: DictConfig) -> None:
+    """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too long."""
+    name = str(cfg.run.name)
+    if not name:
+        return
+    fix = "use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)"
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        raise ConfigError("run.name", name, f"would put the run outside run.dir={cfg.run.dir}", fix)
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise ConfigError("run.name", name[:40] + "...", f"is {len(name.encode('utf-8', 'surrogateescape'))} "
+                          f"bytes long; a file name may have at most {NAME_MAX}", "use a shorter name")
 
 
 def _check_fsdp(cfg: DictConfig) -> None:

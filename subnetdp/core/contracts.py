@@ -430,6 +430,17 @@ class DataModule(Plugin, abc.ABC):
     def check(self) -> None:
         """Raise :class:`ConfigError` if the data is missing (called before any process group)."""
 
+    @classmethod
+    def unsafe_to_open(cls, cfg: Any) -> str | None:
+        """Why reading the files ``cfg`` names could run code, or None when it cannot.
+
+        ``subnetdp eval`` and ``subnetdp export`` do not trust a checkpoint's ``config.yaml`` to pick
+        data that could execute code when read (unverified pickles, ``torch.load`` without
+        ``weights_only``): they refuse such a config unless the user names the data on the command
+        line. Override this when the module deserialises its files with anything that can run code.
+        """
+        return None
+
     @abc.abstractmethod
     def spec(self) -> DataSpec: ...
 

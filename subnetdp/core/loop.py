@@ -15,13 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
                                      ParamMap, Partition)
-from subnetdp.core.errors import ConfigError, RankMismatchError
+from subnetdp.core.errors import ConfigError, RankMismatchError, SubnetdpError
 from subnetdp.core.metrics import (RunLogger, bytes_by_group, group_label, live_state_bytes,
                                    plan_figure, tensor_digest, training_state_tensors, write_json)
 from subnetdp.core.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.resume import Checkpointer
+from subnetdp.core.runlock import RunLock, RunLockedError
 from subnetdp.core.sync import OwnerGroupAverager, clip_to
 from subnetdp.core.union import assemble_union, evaluate
 from subnetdp.core.variants import is_backward, local_model, partition_model
@@ -45,6 +46,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     averager: OwnerGroupAverager | None = None
     parallel: Any = None  # subnetdp.parallel.apply.Parallelism
+    lock: RunLock | None = None  # rank 0's hold on run_dir (one job per run directory)
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -101,10 +103,11 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
+    lock = lock_run_dir(run_dir, comm)
     model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
     del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
-    run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+    run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir, lock=lock)
     from subnetdp.parallel.apply import parallelize
 
     # collective when sharded: FSDP's device mesh is created on every rank.
@@ -169,6 +172,21 @@ def resolve_run_dir(cfg: DictConfig, comm: Communicator) -> Path:
     return run_dir
 
 
+def lock_run_dir(run_dir: Path, comm: Communicator) -> RunLock | None:
+    """Rank 0 takes the run directory's exclusive lock for the job; every rank stops if it is taken."""
+    lock, error = None, None
+    if comm.rank == 0:
+        try:
+            lock = RunLock(run_dir)
+        except SubnetdpError as e:
+            error = str(e)
+    # collective: every rank learns whether rank 0 holds the run directory.
+    error = comm.all_gather_object(error)[0]
+    if error:
+        raise RunLockedError(error)
+    return lock
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
     return tuple(t.to(device, non_blocking=True) for t in batch) if device.type != "cpu" else batch
 
@@ -189,6 +207,8 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
         _train(run, pm)
     finally:
         run.comm.shutdown()
+        if run.lock is not None:
+            run.lock.release()
     return run
 
 
