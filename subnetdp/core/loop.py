@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,9 +65,17 @@ def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
     return n
 
 
+def seed_host_rngs(seed: int) -> None:
+    """Python's and numpy's global random states from ``seed`` (saved in checkpoints, so they must agree
+    between two runs of the same seed; torch's is seeded where the model is built)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
+    seed_host_rngs(int(cfg.seed))
     data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
     data.check()
     spec = data.spec()
