@@ -63,6 +63,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
 
+    if ns.nproc < 1:
+        raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
@@ -79,14 +81,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.core.metrics import plan_figure
     from subnetdp.core.plan import MaskPlan
     from subnetdp.core.planreport import format_report, plan_report
+    from subnetdp.core.errors import ConfigError
     from subnetdp.core.plugins import PluginManager
 
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
-    world = int(ns.world_size or cfg.launch.nproc)
+    world = int(cfg.launch.nproc if ns.world_size is None else ns.world_size)
     if world < 1:
-        raise SubnetdpError(f"--world-size={world}: must be at least 1")
+        raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")
     report = plan_report(cfg, world, pm, estimate=not ns.no_estimate)
     if ns.png:
         plan = MaskPlan.from_dict(report)
@@ -193,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "peak memory and bytes per step of one training step, estimated by a "
                                    "dry run under FakeTensorMode (nothing is allocated).")
     _recipe_args(p)
-    p.add_argument("--world-size", "-n", type=int, default=0, help="number of ranks (default: launch.nproc)")
+    p.add_argument("--world-size", "-n", type=int, default=None, help="number of ranks (default: launch.nproc)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
     p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")

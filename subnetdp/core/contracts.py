@@ -378,6 +378,9 @@ class ModelAdapter(Plugin, abc.ABC):
 
     Config: ClassVar[type] = ModelConfig
     granularities: ClassVar[tuple[str, ...]] = ("block",)
+    #: what its inputs are ("images", "tokens", ...): the config is refused when the data module's
+    #: ``produces`` differs. None: undeclared, not checked.
+    consumes: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def build(self, spec: DataSpec) -> "nn.Module":
@@ -422,6 +425,8 @@ class DataModule(Plugin, abc.ABC):
     """A dataset: its spec and deterministic, resumable, rank-sharded loaders."""
 
     Config: ClassVar[type] = DataConfig
+    #: what its batches hold ("images", "tokens", ...), matched against the model's ``consumes``.
+    produces: ClassVar[str | None] = None
 
     def __init__(self, cfg: Any, seed: int = 0) -> None:
         super().__init__(cfg)

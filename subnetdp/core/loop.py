@@ -72,12 +72,28 @@ def seed_host_rngs(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
+    """``eval.bn_recalibrate_batches`` at most one pass over the training data (the loader is endless)."""
+    n = int(cfg.eval.bn_recalibrate_batches)
+    if n <= 0:
+        return
+    try:
+        per_epoch = getattr(data.train_loader(0, 1, int(cfg.train.batch_size)), "batches_per_epoch", None)
+    except SubnetdpError:  # a batch larger than the data is the batch size's error, reported where it is checked
+        return
+    if per_epoch is not None and n > per_epoch:
+        raise ConfigError("eval.bn_recalibrate_batches", n, f"is more than the {per_epoch} batches of "
+                          f"train.batch_size={cfg.train.batch_size} the training data holds",
+                          f"use at most {per_epoch} (20 is usual), or 0 to keep the averaged statistics")
+
+
 def _build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
     seed_host_rngs(int(cfg.seed))
     data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
     data.check()
+    check_recalibration_fits(cfg, data)
     spec = data.spec()
     adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
     masker: Masker = regs["masker"].create(cfg.masker.name, cfg.masker)

@@ -46,6 +46,7 @@ class CifarData(DataModule):
     """CIFAR-10 or CIFAR-100 (the subclass says which), sharded by rank."""
 
     Config = CifarConfig
+    produces = "images"
     dataset: ClassVar[type] = datasets.CIFAR10
     title: ClassVar[str] = "CIFAR-10"
     num_classes: ClassVar[int] = 10

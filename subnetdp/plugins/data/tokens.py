@@ -130,6 +130,8 @@ class EvalWindows:
 class TokensData(DataModule):
     """Token shards for language models (``DataSpec.vocab_size``, ``DataSpec.seq_len``)."""
 
+    produces = "tokens"
+
     Config = TokensConfig
     data_kind = "tokens"
 

@@ -78,6 +78,8 @@ def named_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
 class ResNetAdapter(ModelAdapter):
     """torchvision ResNets with block-level units (residual branches)."""
 
+    consumes = "images"
+
     Config = ResNetConfig
     granularities = ("block", "neuron")
 
