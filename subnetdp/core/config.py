@@ -580,7 +580,7 @@ def check_data_fits_model(cfg: DictConfig, registries: dict[str, Any]) -> None:
                           f"consumes {consumes}", f"use data of {consumes}" + (f": {', '.join(fitting)}" if fitting else ""))
 
 
-MAX_IMAGE_SIDE = 16384  # one 3-channel fp32 image at this side is 3 GiB; the FLOP count runs a sample
+MAX_IMAGE_SIDE = 4096  # the FLOP count runs a real sample: far above 4096 it cannot allocate (or takes hours)
 
 
 def check_image_size(cfg: DictConfig) -> None:

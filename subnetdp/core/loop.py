@@ -203,7 +203,9 @@ def lock_run_dir(run_dir: Path, comm: Communicator) -> RunLock | None:
     lock, error = None, None
     if comm.rank == 0:
         try:
-            lock = RunLock(run_dir)
+            # A group restarted by torchrun may start while its previous rank 0 is still exiting.
+            restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+            lock = RunLock(run_dir, wait_s=60.0 if restarted else 0.0)
         except SubnetdpError as e:
             error = str(e)
     # collective: every rank learns whether rank 0 holds the run directory.

@@ -62,11 +62,14 @@ def _busy(run_dir: Path, f: IO[str]) -> RunLockedError:
 class RunLock:
     """The exclusive lock on a run directory; :meth:`release` (or the process's exit) frees it."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, wait_s: float = 0.0) -> None:
         self.path = Path(run_dir) / LOCK_FILE
         if self.path.is_symlink():
             raise SubnetdpError(f"{self.path}: is a symbolic link: remove it (the lock file is the run's own)")
         self._file: IO[str] | None = open(self.path, "a+", encoding="utf-8")
+        deadline = time.monotonic() + wait_s
+        while not _try_lock(self._file) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if not _try_lock(self._file):
             err = _busy(Path(run_dir), self._file)
             self._file.close()
