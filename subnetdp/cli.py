@@ -46,8 +46,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
         from subnetdp.train.loop import preflight
         from subnetdp.launchers.local import launch_local
 
-        # Fail on a bad plan here, before any worker or process group exists.
+        # Fail on a bad plan or a busy run directory here, before any worker or process group exists.
         preflight(cfg, nproc, pm)
+        if cfg.run.name:
+            from pathlib import Path
+
+            from subnetdp.core.runlock import check_free
+            check_free(Path(str(cfg.run.dir)) / str(cfg.run.name))
         if not cfg.run.name:
             overrides.append(f"run.name={default_run_name(cfg, nproc)}{time.strftime('-%Y%m%d-%H%M%S')}")
         argv = ["train"] + ([recipe] if recipe else []) + overrides
@@ -84,6 +89,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
 
+    if ns.nproc < 1:
+        raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
@@ -101,14 +108,15 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.train.meter import plan_figure
     from subnetdp.core.plan import MaskPlan
     from subnetdp.train.planreport import format_report, plan_report
+    from subnetdp.core.errors import ConfigError
     from subnetdp.core.plugins import PluginManager
 
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = compose(recipe, overrides, pm.registries)
-    world = int(ns.world_size or cfg.launch.nproc)
+    world = int(cfg.launch.nproc if ns.world_size is None else ns.world_size)
     if world < 1:
-        raise SubnetdpError(f"--world-size={world}: must be at least 1")
+        raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")
     report = plan_report(cfg, world, pm, estimate=not ns.no_estimate)
     if ns.png:
         plan = MaskPlan.from_dict(report)
@@ -166,7 +174,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         return _eval_tasks(ns)
     from subnetdp.export import evaluate_checkpoint
 
-    loaded, metrics = evaluate_checkpoint(ns.path)
+    loaded, metrics = evaluate_checkpoint(ns.path, data=ns.data)
     if ns.json:
         print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "eval": metrics}))
     else:
@@ -204,10 +212,14 @@ def cmd_export(ns: argparse.Namespace) -> int:
         return 0
     from subnetdp.export import export
 
-    out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate)
+    out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate, data=ns.data)
     print(f"wrote {out / 'model.safetensors'} and {out / 'reference.json'}; rebuild with "
           f"subnetdp.export.load_reference({str(out)!r})")
     return 0
+
+
+_DATA_HELP = ("the data to evaluate (or recalibrate) on, replacing the checkpoint's data section, e.g. "
+              "data.root=DIR; without it the checkpoint's data is used when reading it cannot run code")
 
 
 def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
@@ -215,6 +227,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
                        description="Evaluate the union model of a checkpoint, or of a run directory's newest "
                                    "checkpoint, in one process (BatchNorm recalibrated as in the run).")
     p.add_argument("path", metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("data", nargs="*", metavar="data.KEY=VALUE", help=_DATA_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--tasks", default="", metavar="T1,T2",
                    help="run lm-evaluation-harness tasks (e.g. arc_easy,boolq,hellaswag,openbookqa,sciq) on the "
@@ -236,6 +249,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
                                    "that transformers' AutoModelForCausalLM.from_pretrained(OUT) loads.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
     p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("data", nargs="*", metavar="data.KEY=VALUE", help=_DATA_HELP)
     p.add_argument("--no-recalibrate", action="store_true",
                    help="keep the averaged BatchNorm statistics instead of recalibrating them")
     p.add_argument("--format", choices=("subnetdp", "hf"), default="subnetdp",
@@ -298,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "peak memory and bytes per step of one training step, estimated by a "
                                    "dry run under FakeTensorMode (nothing is allocated).")
     _recipe_args(p)
-    p.add_argument("--world-size", "-n", type=int, default=0, help="number of ranks (default: launch.nproc)")
+    p.add_argument("--world-size", "-n", type=int, default=None, help="number of ranks (default: launch.nproc)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
     p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")

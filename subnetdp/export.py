@@ -18,16 +18,17 @@ batches, as the in-run evaluation does, so the exported model scores the run's m
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSlice
-from subnetdp.core.errors import CheckpointError, SubnetdpError
+from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.union import evaluate, recalibrate_batchnorm
@@ -47,14 +48,47 @@ class LoadedUnion:
     path: Path
 
 
-def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager) -> Any:
-    from subnetdp.core.config import compose
+def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Sequence[str] = ()) -> Any:
+    """The checkpoint's config; with ``data`` (``data.key=value`` the user typed), their data instead.
+
+    What a checkpoint's ``config.yaml`` is trusted with: the model, masker, seed and evaluation
+    settings (they build tensors and read nothing). Its ``data.*`` section names files to read, so it
+    is used only when the data module says reading them cannot run code
+    (:meth:`~subnetdp.core.contracts.DataModule.unsafe_to_open`); otherwise the user names the data.
+    """
+    from omegaconf import OmegaConf
+
+    from subnetdp.core.config import compose, parse_overrides
 
     path = ck.verify_file(ckpt, "config.yaml", manifest)
-    try:
-        return compose(str(path), ["resume=never", "launch.nproc=1"], pm.registries)
-    except SubnetdpError as e:
-        raise CheckpointError(f"{path}: no longer a valid config with the installed plugins ({e})") from None
+    for item in data:
+        key = item.split("=", 1)[0]
+        if not key.startswith("data."):
+            raise ConfigError(key, item.split("=", 1)[-1], "eval and export take data.* overrides only (the "
+                              "rest of the config is the checkpoint's)", "e.g. data.root=DIR")
+    parse_overrides(data)  # a malformed override names its key before the checkpoint is read
+    recipe = str(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        if data:  # the user's data replaces the checkpoint's whole data section; its name is the default
+            raw = OmegaConf.load(path)
+            name = OmegaConf.select(raw, "data.name", default=None)
+            raw.data = OmegaConf.create({"name": name} if name is not None else {})
+            recipe = str(Path(tmp) / "config.yaml")
+            OmegaConf.save(raw, recipe)
+        try:
+            cfg = compose(recipe, ["resume=never", "launch.nproc=1", *data], pm.registries)
+        except SubnetdpError as e:
+            where = "with the data given" if data else "with the installed plugins"
+            raise CheckpointError(f"{path}: no longer a valid config {where} ({e})") from None
+    if not data:
+        reason = pm.registries["data"].get(cfg.data.name).unsafe_to_open(cfg.data)
+        if reason:
+            raise CheckpointError(
+                f"{path}: selects data.name={cfg.data.name} data.root={cfg.data.get('root')}, but {reason}; a "
+                "checkpoint is not trusted to choose data whose reading can run code — evaluate on data you "
+                f"choose: subnetdp eval {ckpt} data.root=DIR (checksums verified), adding "
+                "data.verify_checksums=false only for files you trust")
+    return cfg
 
 
 def _plan(ckpt: Path, manifest: dict[str, Any], partition: Partition) -> MaskPlan:
@@ -106,12 +140,15 @@ class _Shards:
 
 
 @torch.no_grad()
-def load_union(path: str | Path, pm: PluginManager | None = None) -> LoadedUnion:
-    """The union model of a checkpoint (or of a run directory's newest checkpoint), on CPU."""
+def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence[str] = ()) -> LoadedUnion:
+    """The union model of a checkpoint (or of a run directory's newest checkpoint), on CPU.
+
+    ``data``: ``data.key=value`` overrides naming the data to evaluate on instead of the checkpoint's.
+    """
     pm = pm or PluginManager()
     ckpt = ck.resolve_checkpoint(Path(path))
     manifest = ck.read_manifest(ckpt)
-    cfg = _config(ckpt, manifest, pm)
+    cfg = _config(ckpt, manifest, pm, data)
     adapter = pm.registries["model"].get(cfg.model.name)(cfg.model)
     spec = DataSpec(**manifest["data_spec"])
     torch.manual_seed(int(cfg.seed))
@@ -147,10 +184,14 @@ def load_union(path: str | Path, pm: PluginManager | None = None) -> LoadedUnion
     return LoadedUnion(model, cfg, adapter, spec, manifest, ckpt)
 
 
-def evaluate_checkpoint(path: str | Path, pm: PluginManager | None = None) -> tuple[LoadedUnion, dict[str, float]]:
-    """The run's eval metrics of a checkpoint's union model (BatchNorm recalibrated as in the run)."""
+def evaluate_checkpoint(path: str | Path, pm: PluginManager | None = None,
+                        data: Sequence[str] = ()) -> tuple[LoadedUnion, dict[str, float]]:
+    """The run's eval metrics of a checkpoint's union model (BatchNorm recalibrated as in the run).
+
+    ``data``: ``data.key=value`` overrides naming the data to evaluate on instead of the checkpoint's.
+    """
     pm = pm or PluginManager()
-    loaded = load_union(path, pm)
+    loaded = load_union(path, pm, data)
     data = _data(loaded, pm)
     return loaded, evaluate(loaded.model, loaded.adapter, data, loaded.cfg)
 
@@ -159,10 +200,15 @@ def _data(loaded: LoadedUnion, pm: PluginManager) -> Any:
     cfg = loaded.cfg
     data = pm.registries["data"].get(cfg.data.name)(cfg.data, seed=int(cfg.seed))
     data.check()
+    if data.spec() != loaded.spec:
+        raise ConfigError("data.name", str(cfg.data.name), f"gives data of shape {data.spec()}, the checkpoint's "
+                          f"model was trained on {loaded.spec}", "choose data of the same kind and size "
+                          "(e.g. the same data.image_size)")
     return data
 
 
-def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: PluginManager | None = None) -> Path:
+def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: PluginManager | None = None,
+           data: Sequence[str] = ()) -> Path:
     """Write the union model as the reference architecture's plain ``state_dict`` and its options.
 
     Args:
@@ -170,11 +216,12 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
         out: output folder; receives ``model.safetensors`` and ``reference.json``.
         recalibrate: recompute BatchNorm statistics on ``eval.bn_recalibrate_batches`` training
             batches first, as the run's own evaluation does.
+        data: ``data.key=value`` overrides naming the recalibration data instead of the checkpoint's.
     """
     from safetensors.torch import save_file
 
     pm = pm or PluginManager()
-    loaded = load_union(path, pm)
+    loaded = load_union(path, pm, data)
     cfg, model = loaded.cfg, loaded.model
     options = loaded.manifest.get("reference")
     if options is None:

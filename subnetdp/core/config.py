@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,13 +209,36 @@ def resolve_recipe(recipe: str) -> Path:
                       + suggest(p.stem, known))
 
 
+def first_lines(path: Path, lines: int = 3, width: int = 100) -> str:
+    """The opening of a file for an error message: a few lines, each cut short, never the whole file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(lines * (width + 1) * 4)
+    except OSError as e:
+        return f"<unreadable: {e.strerror}>"
+    if b"\0" in raw:
+        return "<binary data>"
+    head = ["".join(c if c.isprintable() else "?" for c in line)
+            for line in raw.decode("utf-8", "replace").splitlines()[:lines]]
+    return " | ".join(line[:width] + ("..." if len(line) > width else "") for line in head)
+
+
+def clipped(value: Any, width: int = 80) -> str:
+    """A value for an error message: its first line, at most ``width`` characters."""
+    text = str(value)
+    first = text.splitlines()[0] if text.strip() else text
+    return first[:width] + ("..." if len(first) > width or first != text else "")
+
+
 def _load_yaml(path: Path, what: str) -> DictConfig:
     try:
         cfg = OmegaConf.load(path)
-    except Exception as e:  # a YAML syntax error, reported with the file
-        raise ConfigError(what, str(path), f"cannot be parsed: {e}") from None
+    except Exception as e:  # a YAML syntax error, reported with the file's opening, never all of it
+        raise ConfigError(what, str(path), f"cannot be parsed ({clipped(e)}); it begins: {first_lines(path)}",
+                          "give a YAML file of config keys, e.g. a file from configs/recipes") from None
     if not isinstance(cfg, DictConfig):
-        raise ConfigError(what, str(path), "must hold a mapping of config keys")
+        raise ConfigError(what, str(path), f"must hold a mapping of config keys; it begins: {first_lines(path)}",
+                          "give a YAML file of config keys, e.g. a file from configs/recipes")
     return cfg
 
 
@@ -225,6 +249,9 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
             raise ConfigError("override", item, "is not of the form key=value",
                               "write e.g. masker.coverage=0.5")
         key, value = item.split("=", 1)
+        if any(not part.strip() for part in key.split(".")):
+            raise ConfigError(clipped(key), clipped(value), "has an empty part in its dotted key",
+                              "write e.g. seed=1 or masker.coverage=0.5 (no leading, trailing or doubled dots)")
         try:  # one by one, so an error names the key whose value YAML cannot read
             OmegaConf.from_dotlist([item])
         except Exception as e:  # YAML scanner/parser/constructor errors and OmegaConf's own
@@ -331,11 +358,16 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     delete_keys(layers[:-1], deletions)
 
     top = OmegaConf.structured(RunConfig)
+    valid = sorted(list(top.keys()) + list(PLUGIN_GROUPS))
+    if recipe and len(layers[1][0]) and not any(k in valid for k in layers[1][0].keys()):
+        raise ConfigError("recipe", recipe, f"is not a subnetdp recipe: none of its top-level keys is a config "
+                          f"key ({', '.join(valid)}); it begins: {first_lines(path)}",
+                          "give a YAML file of config keys, e.g. a file from configs/recipes")
     for layer, source in layers:
+        check_sections(layer, top, source)
         for key in layer.keys():
             if key not in top.keys() and key not in PLUGIN_GROUPS:
-                valid = sorted(list(top.keys()) + list(PLUGIN_GROUPS))
-                raise ConfigError(str(key), _shown(layer, key),
+                raise ConfigError(clipped(key), clipped(_shown(layer, key)),
                                   f"unknown top-level key (from {source}); valid: {', '.join(valid)}"
                                   + suggest(str(key), valid))
     cfg = top
@@ -369,6 +401,24 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     _resolve(cfg)
     validate(cfg, registries)
     return cfg
+
+
+def check_sections(layer: DictConfig, top: DictConfig, source: str) -> None:
+    """A group of keys (``model``, ``train``, ...) given a scalar, list or null, or a scalar key given a
+    group: one message naming the key and what was typed, before anything is merged."""
+    for key in layer.keys():
+        node = layer._get_node(key)
+        typed = "null" if node is None or node._is_none() else (
+            "a list" if isinstance(node, ListConfig) else "a group of keys" if isinstance(node, DictConfig)
+            else f"the value {clipped(node._value())!r}")
+        is_group = key in PLUGIN_GROUPS or (key in top.keys() and isinstance(top._get_node(key), DictConfig))
+        if is_group and not isinstance(node, DictConfig):
+            raise ConfigError(str(key), clipped(_shown(layer, key)), f"is a group of keys, but {source} gives it "
+                              f"{typed}", f"set its keys one by one, e.g. {key}.{'name' if key in PLUGIN_GROUPS else 'KEY'}=VALUE"
+                              + (" (a recipe writes them indented under it)" if source.startswith("recipe") else ""))
+        if key in top.keys() and not is_group and isinstance(node, (DictConfig, ListConfig)):
+            raise ConfigError(str(key), clipped(_shown(layer, key)), f"takes one value, but {source} gives it {typed}",
+                              f"write e.g. {key}={OmegaConf.select(top, str(key))}")
 
 
 def _check_choice(cfg: DictConfig, key: str, choices: Iterable[str]) -> None:
@@ -406,8 +456,14 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "launch.nproc", 1, None)
     _check_range(cfg, "launch.threads_per_rank", 0, None)
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
+    check_numbers(cfg)
+    check_optim_values(cfg)
+    check_eval_values(cfg)
+    check_comm_values(cfg)
+    check_resume_path(cfg)
     _check_checkpoint_keys(cfg)
     _check_added_keys(cfg)
+    _check_run_name(cfg)
     _check_fsdp(cfg, registries["comm"].get(cfg.comm.name))
     _check_local_steps(cfg)
     _check_eval_tasks(cfg, registries)
@@ -417,6 +473,9 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
+    check_data_fits_model(cfg, registries)
+    check_image_size(cfg)
+    warn_threads(cfg)
 
 
 def _check_eval_tasks(cfg: DictConfig, registries: dict[str, Any]) -> None:
@@ -458,6 +517,22 @@ def _check_added_keys(cfg: DictConfig) -> None:
     from subnetdp.core.upfront import check_choices
 
     check_choices(cfg)
+
+
+NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
+
+
+def _check_run_name(cfg: DictConfig) -> None:
+    """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too long."""
+    name = str(cfg.run.name)
+    if not name:
+        return
+    fix = "use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)"
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        raise ConfigError("run.name", name, f"would put the run outside run.dir={cfg.run.dir}", fix)
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise ConfigError("run.name", name[:40] + "...", f"is {len(name.encode('utf-8', 'surrogateescape'))} "
+                          f"bytes long; a file name may have at most {NAME_MAX}", "use a shorter name")
 
 
 def _check_fsdp(cfg: DictConfig, comm: Any) -> None:
@@ -542,6 +617,122 @@ def default_run_name(cfg: DictConfig, world_size: int) -> str:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+# --------------------------------------------------------------------------- values no schema type catches
+
+INT64_MAX = 2**63 - 1
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{prefix.rstrip('.')}[{i}].")
+    else:
+        yield prefix.rstrip("."), node
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """No NaN or infinity anywhere, and no integer beyond 64 bits (torch, numpy and C take int64)."""
+    for key, value in _leaves(OmegaConf.to_container(cfg, resolve=True)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, value, "must be a finite number", "give a plain number such as 0.5")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+            raise ConfigError(key, value, f"does not fit in 64 bits (at most {INT64_MAX})", "use a smaller integer")
+
+
+def check_optim_values(cfg: DictConfig) -> None:
+    """``optim.*`` values torch.optim would reject mid-run, or take silently as something else."""
+    _check_range(cfg, "optim.momentum", 0.0, 1.0, fix="0 turns momentum off; 0.9 is usual")
+    _check_range(cfg, "optim.weight_decay", 0.0, None, fix="0 turns weight decay off")
+    _check_range(cfg, "optim.eps", 0.0, None, lo_open=True, fix="1e-8 is usual")
+    _check_range(cfg, "optim.warmup_steps", 0, None, fix="0 starts at the full learning rate")
+    _check_range(cfg, "optim.clip_grad_norm", 0.0, None, fix="0 turns clipping off")
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError("optim.betas", betas, "must be two numbers in [0, 1)", "write optim.betas=[0.9,0.999]")
+
+
+def check_eval_values(cfg: DictConfig) -> None:
+    """``eval.*``: sizes that would only fail at the end of training."""
+    _check_range(cfg, "eval.batch_size", 1, None, fix="256 is the default")
+    _check_range(cfg, "eval.batches", 0, None, fix="0 evaluates the whole held-out split")
+    _check_range(cfg, "eval.every", 0, None, fix="0 evaluates only at the end")
+    _check_range(cfg, "eval.bn_recalibrate_batches", 0, None, fix="0 keeps the averaged statistics")
+
+
+RENDEZVOUS_SCHEMES = ("env", "tcp", "file")  # the handlers torch.distributed.rendezvous registers
+
+
+def check_comm_values(cfg: DictConfig) -> None:
+    """``comm.timeout_s`` above 0; ``comm.init_method`` one that a rendezvous handler accepts."""
+    if OmegaConf.select(cfg, "comm.timeout_s", default=None) is not None:
+        _check_range(cfg, "comm.timeout_s", 0.0, None, lo_open=True, fix="600 is the default")
+    method = OmegaConf.select(cfg, "comm.init_method", default=None)
+    if method is None:
+        return
+    from urllib.parse import urlparse
+
+    url = urlparse(str(method))
+    fix = "use env:// (torchrun, mpirun, srun), tcp://HOST:PORT or file:///SHARED/PATH"
+    if url.scheme not in RENDEZVOUS_SCHEMES:
+        raise ConfigError("comm.init_method", str(method), f"no rendezvous handler for {url.scheme or 'no'} scheme "
+                          f"(valid: {', '.join(s + '://' for s in RENDEZVOUS_SCHEMES)})", fix)
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    if url.scheme == "tcp" and (not url.hostname or port is None or not 0 < port < 65536):
+        raise ConfigError("comm.init_method", str(method), "tcp:// needs a host and a port in 1..65535", fix)
+    if url.scheme == "file" and not url.path:
+        raise ConfigError("comm.init_method", str(method), "file:// needs a path", fix)
+
+
+def check_resume_path(cfg: DictConfig) -> None:
+    """``resume=PATH`` names a checkpoint (a folder with MANIFEST.json) or a run directory."""
+    resume = str(cfg.resume)
+    if resume in ("never", "auto"):
+        return
+    p = Path(resume)
+    if not resume.strip() or not ((p / "MANIFEST.json").is_file() or (p / "checkpoints").is_dir()):
+        raise ConfigError("resume", resume, "is neither never, auto, a checkpoint (a folder holding MANIFEST.json) "
+                          "nor a run directory (holding checkpoints/)",
+                          "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+
+
+def check_data_fits_model(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """The data module yields the kind of data the model trains on (``data_kind``: image, tokens)."""
+    model, data = registries["model"].get(cfg.model.name), registries["data"].get(cfg.data.name)
+    consumes, produces = model.data_kind, data.data_kind
+    if consumes != produces:
+        fitting = [n for n in registries["data"].names() if registries["data"].get(n).data_kind == consumes]
+        raise ConfigError("data.name", str(cfg.data.name), f"yields {produces} data, but model.name={cfg.model.name} "
+                          f"trains on {consumes} data", f"use {consumes} data" + (f": {', '.join(fitting)}" if fitting else ""))
+
+
+MAX_IMAGE_SIDE = 4096  # the FLOP count runs a real sample: far above 4096 it cannot allocate (or takes hours)
+
+
+def check_image_size(cfg: DictConfig) -> None:
+    """``data.image_size`` small enough that one sample (the FLOP measurement's) can be allocated."""
+    size = OmegaConf.select(cfg, "data.image_size", default=0) or 0
+    if isinstance(size, int) and size > MAX_IMAGE_SIDE:
+        gib = 3 * 4 * size * size / 2**30
+        raise ConfigError("data.image_size", size, f"one image is {gib:,.0f} GiB at this size (at most "
+                          f"{MAX_IMAGE_SIDE} is accepted)", "use the model's native size, e.g. 32 or 224")
+
+
+def warn_threads(cfg: DictConfig) -> None:
+    """More threads per rank than cores for all local ranks: warn (it runs, slowly)."""
+    import warnings
+
+    threads, cores = int(cfg.launch.threads_per_rank), os.cpu_count() or 1
+    if threads * max(1, int(cfg.launch.nproc)) > cores:
+        warnings.warn(f"launch.threads_per_rank={threads} x launch.nproc={cfg.launch.nproc} is more threads than "
+                      f"the {cores} cores: ranks will slow each other down; 0 shares the cores evenly", stacklevel=2)
 
 
 _SECTIONS = {c.__name__: c for c in (SyncConfig, OptimConfig, TrainConfig, EvalConfig, LaunchConfig, RunDirConfig,

@@ -516,6 +516,17 @@ class DataModule(Plugin, abc.ABC):
     def has_tokenizer(cls) -> bool:
         return cls.tokenizer is not DataModule.tokenizer
 
+    @classmethod
+    def unsafe_to_open(cls, cfg: Any) -> str | None:
+        """Why reading the files ``cfg`` names could run code, or None when it cannot.
+
+        ``subnetdp eval`` and ``subnetdp export`` do not trust a checkpoint's ``config.yaml`` to pick
+        data that could execute code when read (unverified pickles, ``torch.load`` without
+        ``weights_only``): they refuse such a config unless the user names the data on the command
+        line. Override this when the module deserialises its files with anything that can run code.
+        """
+        return None
+
     @abc.abstractmethod
     def spec(self) -> DataSpec: ...
 
@@ -617,6 +628,7 @@ class Run:
     optimizer: "Optional[torch.optim.Optimizer]" = None
     averager: Optional[GradSynchronizer] = None
     parallel: Any = None  # subnetdp.parallel.apply.Parallelism (a floor above this one)
+    lock: Any = None  # rank 0's hold on run_dir (subnetdp.core.runlock.RunLock): one job per run directory
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     downstream: Any = None  # eval.tasks: the lm-eval tasks, loaded with their data at set-up; else None

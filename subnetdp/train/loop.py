@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchEnv, Masker, ModelAdapter,
                                      Partition, Run)
-from subnetdp.core.errors import ConfigError, RankMismatchError
+from subnetdp.core.errors import ConfigError, RankMismatchError, SubnetdpError
 from subnetdp.parallel.memory import training_state_tensors
 from subnetdp.train.meter import Meter, RunLogger, bytes_by_group, plan_figure, tensor_digest, write_json
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
+from subnetdp.core.runlock import RunLock, RunLockedError
 from subnetdp.train.checkpoints.resume import Checkpointer
 from subnetdp.train.stopping import Interrupted, StopRequest, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
@@ -36,11 +39,35 @@ def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
     return n
 
 
+def seed_host_rngs(seed: int) -> None:
+    """Python's and numpy's global random states from ``seed`` (saved in checkpoints, so they must agree
+    between two runs of the same seed; torch's is seeded where the model is built)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
+    """``eval.bn_recalibrate_batches`` at most one pass over the training data (the loader is endless)."""
+    n = int(cfg.eval.bn_recalibrate_batches)
+    if n <= 0:
+        return
+    try:
+        per_epoch = getattr(data.train_loader(0, 1, int(cfg.train.batch_size)), "batches_per_epoch", None)
+    except SubnetdpError:  # a batch larger than the data is the batch size's error, reported where it is checked
+        return
+    if per_epoch is not None and n > per_epoch:
+        raise ConfigError("eval.bn_recalibrate_batches", n, f"is more than the {per_epoch} batches of "
+                          f"train.batch_size={cfg.train.batch_size} the training data holds",
+                          f"use at most {per_epoch} (20 is usual), or 0 to keep the averaged statistics")
+
+
 def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
+    seed_host_rngs(int(cfg.seed))
     data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
     data.check()
+    check_recalibration_fits(cfg, data)
     spec = data.spec()
     adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
     masker: Masker = regs["masker"].create(cfg.masker.name, cfg.masker)
@@ -86,10 +113,11 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
+    lock = lock_run_dir(run_dir, comm)
     model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
     del full  # forward masking: frees the tensors of units this rank does not own
     model.to(comm.device)
-    run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir)
+    run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir, lock=lock)
     run.downstream = tasks
     from subnetdp.parallel.apply import parallelize
 
@@ -155,6 +183,23 @@ def resolve_run_dir(cfg: DictConfig, comm: Communicator) -> Path:
     return run_dir
 
 
+def lock_run_dir(run_dir: Path, comm: Communicator) -> RunLock | None:
+    """Rank 0 takes the run directory's exclusive lock for the job; every rank stops if it is taken."""
+    lock, error = None, None
+    if comm.rank == 0:
+        try:
+            # A group restarted by torchrun may start while its previous rank 0 is still exiting.
+            restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+            lock = RunLock(run_dir, wait_s=60.0 if restarted else 0.0)
+        except SubnetdpError as e:
+            error = str(e)
+    # collective: every rank learns whether rank 0 holds the run directory.
+    error = comm.all_gather_object(error)[0]
+    if error:
+        raise RunLockedError(error)
+    return lock
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
     return tuple(t.to(device, non_blocking=True) for t in batch) if device.type != "cpu" else batch
 
@@ -172,6 +217,8 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
             train_loop(run, pm, stopper)
         finally:
             run.comm.shutdown()
+            if run.lock is not None:
+                run.lock.release()
     return run
 
 

@@ -90,6 +90,7 @@ FROZEN_API: dict[str, list[str]] = {
         "spec(self) -> 'DataSpec'",
         "tokenizer(self) -> 'Any'",
         'train_loader(self, rank: \'int\', world_size: \'int\', batch_size: \'int\') -> "\'ResumableLoader\'"',
+        "unsafe_to_open(cls, cfg: 'Any') -> 'str | None'",
     ],
     'DataSpec': [
         "__init__(self, in_channels: 'int' = 0, image_size: 'int' = 0, num_classes: 'int' = 0, vocab_size: 'int' = 0, seq_len: 'int' = 0) -> None",
@@ -200,7 +201,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'Run': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, lock: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
         'rank: property',
     ],
     'SubnetdpError': [
@@ -235,12 +236,14 @@ FROZEN_CLI: dict[str, list[str]] = {
         '--offline',
         '--tasks',
         '<RUN_DIR|CHECKPOINT>',
+        '<data.KEY=VALUE>',
     ],
     'export': [
         '--format',
         '--no-recalibrate',
         '<CHECKPOINT>',
         '<OUT>',
+        '<data.KEY=VALUE>',
     ],
     'launch': [
         '--dry-run',

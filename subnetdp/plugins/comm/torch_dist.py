@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import time
 from typing import Any, Sequence
 
 import torch
@@ -23,12 +24,35 @@ from subnetdp.launchers import rendezvous
 class WorkHandle(Handle):
     """Wraps a ``torch.distributed`` work object."""
 
-    def __init__(self, work: Any) -> None:
-        self.work = work
+    def __init__(self, work: Any, comm: "TorchDistCommunicator | None" = None, group: tuple[int, ...] = ()) -> None:
+        self.work, self.comm, self.group = work, comm, group
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            if self.comm is None:
+                self.work.wait()
+            else:
+                self.comm._guarded("all_reduce", self.group, self.work.wait)
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text or "deadline" in text
+
+
+def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float) -> list[int]:
+    """The members of a timed-out collective that never reported timing out themselves.
+
+    Every member that times out writes ``key/<rank>`` into the world's store; a member that does not
+    within ``grace`` seconds was not waiting in the collective: it is the one that stopped answering.
+    """
+    store.set(f"{key}/{rank}", "timed out")
+    deadline = time.monotonic() + grace
+    silent = [r for r in members if r != rank]
+    while silent and time.monotonic() < deadline:
+        silent = [r for r in silent if not store.check([f"{key}/{r}"])]
+        time.sleep(0.05)
+    return silent
 
 
 def arrival_error(comm: Communicator, init_method: str, timeout: float, error: BaseException) -> str:
@@ -59,6 +83,7 @@ class TorchDistCommunicator(Communicator):
     def __init__(self, cfg: Any, env: Any) -> None:
         super().__init__(cfg, env)
         self._groups: dict[tuple[int, ...], Any] = {}
+        self._stalls = 0  # timed-out collectives so far: each gets its own keys in the store
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
@@ -92,8 +117,32 @@ class TorchDistCommunicator(Communicator):
         key = tuple(sorted(ranks))
         if key in self._groups:
             return
-        # collective: every rank creates every group, in the same order, member or not.
-        self._groups[key] = dist.new_group(list(key), backend=self.backend)
+        # collective: every rank creates every group, in the same order, member or not. Owner groups
+        # get comm.timeout_s too (torch's default would be 30 minutes for a stalled peer).
+        self._groups[key] = dist.new_group(list(key), backend=self.backend,
+                                           timeout=datetime.timedelta(seconds=float(self.cfg.timeout_s)))
+
+    def _guarded(self, what: str, group: Sequence[int] | None, call: Any) -> Any:
+        """Run a collective; on a timeout, name the rank(s) that stopped answering, not only this one."""
+        try:
+            return call()
+        except (dist.DistError, RuntimeError) as e:
+            if not _is_timeout(e):
+                raise
+            members = tuple(range(self.world_size)) if group is None else tuple(group)
+            self._stalls += 1
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                grace = max(2.0, min(10.0, float(self.cfg.timeout_s) / 10))
+                silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
+            except Exception:  # the store went with the job: say what is known
+                silent = []
+            who = (f"rank(s) {', '.join(map(str, silent))} stopped answering" if silent
+                   else "a peer stopped answering (every other member timed out too)")
+            raise SubnetdpError(f"{who}: rank {self.rank} timed out after comm.timeout_s={float(self.cfg.timeout_s):g} s "
+                                f"waiting in {what} over ranks {members} — look at the log of "
+                                f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'the slowest rank'} "
+                                "(a crash, a hang, or a much slower step), or raise comm.timeout_s") from None
 
     def _pg(self, group: Sequence[int] | None) -> Any:
         key = self.world if group is None else tuple(group)
@@ -105,19 +154,21 @@ class TorchDistCommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
         key = tuple(group)
         self.bytes.add(key, tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, group=self._pg(key), async_op=async_op)
-        return WorkHandle(work if async_op else None)
+        pg = self._pg(key)
+        work = self._guarded("all_reduce", key, lambda: dist.all_reduce(tensor, group=pg, async_op=async_op))
+        return WorkHandle(work, self, key) if async_op else WorkHandle(None)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
-        dist.broadcast(tensor, src=src, group=self._pg(group))
+        pg = self._pg(group)
+        self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        self._guarded("all_gather_object", None, lambda: dist.all_gather_object(out, obj))
         return out
 
     def barrier(self) -> None:
-        dist.barrier()
+        self._guarded("barrier", None, dist.barrier)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

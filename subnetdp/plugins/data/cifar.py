@@ -60,6 +60,14 @@ class CifarData(DataModule):
             raise ConfigError("data.num_workers", cfg.num_workers, "must be >= 0 (0 loads in the training process)")
 
     @classmethod
+    def unsafe_to_open(cls, cfg: Any) -> str | None:
+        # CIFAR's batches are pickles: only the published files (MD5-checked) are safe to read.
+        if cfg.verify_checksums:
+            return None
+        return (f"{cls.title}'s files are pickles, and data.verify_checksums=false "
+                "would unpickle whatever data.root holds without checking them against the published MD5s")
+
+    @classmethod
     def conformance_overrides(cls, tmp_path: Path) -> list[str]:
         write_tiny_cifar(tmp_path / "cifar", cls.dataset, n_train=64, n_test=32)
         return [f"data.root={tmp_path / 'cifar'}", "data.verify_checksums=false"]

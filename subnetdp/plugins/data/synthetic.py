@@ -25,6 +25,7 @@ class SyntheticConfig(DataConfig):
 class SyntheticData(DataModule):
     """Gaussian images; the label is the argmax of a fixed random linear map of the image."""
 
+
     Config = SyntheticConfig
 
     @classmethod

@@ -130,6 +130,7 @@ class EvalWindows:
 class TokensData(DataModule):
     """Token shards for language models (``DataSpec.vocab_size``, ``DataSpec.seq_len``)."""
 
+
     Config = TokensConfig
     data_kind = "tokens"
 

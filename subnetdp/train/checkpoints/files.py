@@ -39,6 +39,7 @@ MANIFEST = "MANIFEST.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
 KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL between temp file and rename
+KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL rank 0 amid a removal
 KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which rank the two hooks above kill (default 1)
 
 
@@ -46,7 +47,13 @@ KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which rank the two hooks above kill (de
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    """``RUN_DIR/checkpoints``; a symbolic link there is refused (it would write into another tree)."""
+    path = Path(run_dir) / "checkpoints"
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: is a symbolic link (to {os.readlink(path)}): a run's checkpoints are "
+                              "written, pruned and resumed inside its own directory only — replace the link "
+                              "with a folder, or use another run.name")
+    return path
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -62,8 +69,17 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name) and (d / MANIFEST).is_file()]
+    # A link is never taken for this run's checkpoint (nor pruned through): it may point into another run.
+    found = [d for d in root.iterdir() if STEP_DIR.match(d.name) and _real_dir(d) and _real_file(d / MANIFEST)]
     return sorted(found, key=lambda d: d.name)
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _real_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -146,31 +162,64 @@ def finish_directory(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest last, then rename ``tmp`` to ``final`` (replacing an older one)."""
     write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
     _fsync_dir(tmp)
-    if final.exists():  # re-reaching a step after resuming from an older checkpoint
-        old = final.with_name(final.name + ".replaced")
-        os.replace(final, old)
-        remove_checkpoint(old)
+    if final.exists() or final.is_symlink():  # re-reaching a step after resuming from an older checkpoint
+        remove_checkpoint(final)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
 
 
+DELETING = ".deleting"  # suffix of a checkpoint being removed: renamed first, so removal is atomic
+
+
 def remove_checkpoint(path: Path) -> None:
-    """Remove the manifest first, so a half-deleted directory is never taken for a checkpoint."""
-    (path / MANIFEST).unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a checkpoint directory atomically: rename it out of the ``step_*`` namespace, then delete.
+
+    A kill at any moment leaves either the whole checkpoint or a ``*.deleting`` leftover that
+    :func:`prune` cleans. A symbolic link is removed as a link: nothing it points to is touched.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+        return
+    if not path.exists():
+        return
+    doomed = path if path.name.endswith(DELETING) else path.with_name(path.name + DELETING)
+    if doomed != path:
+        if doomed.exists():  # an earlier removal of the same step was killed
+            shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)  # atomic: from here on it is no checkpoint, whatever is left of it
+        _fsync_dir(doomed.parent)
+    fault_point(KILL_IN_PRUNE, _step_of(path), 0, doomed.parent.parent)
+    shutil.rmtree(doomed, ignore_errors=True)  # never follows links inside (they are unlinked)
+
+
+def _step_of(path: Path) -> int:
+    m = re.match(r"step_(\d{8})", path.name)
+    return int(m.group(1)) if m else -1
 
 
 def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
-    """Keep the ``keep`` newest complete checkpoints (0 = all); drop leftovers of interrupted saves."""
+    """Keep the ``keep`` newest complete checkpoints (0 = all); drop leftovers of interrupted saves.
+
+    Leftovers: ``step_*.tmp`` older than ``newest`` (a save that was killed), ``step_*.deleting`` and
+    ``step_*.replaced`` (a removal that was killed), and ``step_*`` directories without a manifest
+    older than ``newest`` (removals by earlier releases, which deleted in place). Symbolic links are
+    left alone: they are not this run's checkpoints, and what they point to is not this run's to delete.
+    """
     removed = []
     found = complete_checkpoints(run_dir)
     if keep > 0:
         for d in found[:-keep]:
             remove_checkpoint(d)
             removed.append(d)
-    for d in checkpoints_dir(run_dir).glob("step_*.tmp"):
-        if d.name < newest.name:
-            shutil.rmtree(d, ignore_errors=True)
+    for d in checkpoints_dir(run_dir).glob("step_*"):
+        if d.is_symlink():
+            continue
+        if d.name.endswith((DELETING, ".replaced")):
+            remove_checkpoint(d)
+        elif d.name.endswith(".tmp") or (STEP_DIR.match(d.name) and not (d / MANIFEST).is_file()):
+            if d.name < newest.name:
+                remove_checkpoint(d)
     return removed
 
 
@@ -212,6 +261,9 @@ def verify_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> Path:
     if entry is None:
         raise CheckpointError(f"{path}: not listed in {MANIFEST}: the checkpoint was written for "
                               f"{manifest['world_size']} rank(s) or the manifest is corrupted")
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: is a symbolic link (to {os.readlink(path)}): a checkpoint's files are "
+                              "read from its own directory only; copy the file there instead")
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (the manifest lists it): a rank's file was lost or deleted; "
                               "restore it or resume from an older checkpoint")

@@ -137,7 +137,7 @@ class Checkpointer:
         final = ck.step_dir(run.run_dir, step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
-            if tmp.exists():
+            if tmp.exists() or tmp.is_symlink():  # a link is unlinked, never followed
                 ck.remove_checkpoint(tmp)
             tmp.mkdir(parents=True)
         comm.barrier()  # collective: the temporary directory exists before anyone writes into it
@@ -193,6 +193,7 @@ class Checkpointer:
         choice: dict[str, Any] = {"path": None, "run_id": uuid.uuid4().hex, "error": None}
         if self.rank == 0:
             try:
+                ck.checkpoints_dir(self.run.run_dir)  # a link there is refused before any step is trained
                 path = self._choose()
                 if path is not None:
                     choice.update(path=str(path), run_id=ck.read_manifest(path)["run_id"])

@@ -197,6 +197,7 @@ class LlamaAdapter(ModelAdapter):
     """LLaMA with block-level units (every transformer block, one group) or neuron-level units
     (ranges of each block's SwiGLU hidden dimension, one group per block)."""
 
+
     Config = LlamaConfig
     granularities = ("block", "neuron")
     data_kind = "tokens"

@@ -78,6 +78,7 @@ def named_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
 class ResNetAdapter(ModelAdapter):
     """torchvision ResNets with block-level units (residual branches)."""
 
+
     Config = ResNetConfig
     granularities = ("block", "neuron")
 

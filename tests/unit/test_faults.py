@@ -1,0 +1,55 @@
+"""Faults: a kill in the middle of pruning, and the host RNG states a checkpoint saves."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from subnetdp.train.checkpoints import files as ck
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.train.loop import train
+from tests.helpers import plugin_manager, small_config
+
+ONE = LaunchEnv(0, 1, 0, 1, "test")
+CLI = [sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "comm.name=local", "masker.coverage=1",
+       "train.batch_size=8", "optim.warmup_steps=0", "launch.nproc=1", "launch.threads_per_rank=1",
+       "train.progress=false", "eval.bn_recalibrate_batches=0", "checkpoint.every=1", "checkpoint.keep=1",
+       "resume=auto", "run.name=pruned", "train.steps=3"]
+
+
+def test_kill_while_pruning_leaves_no_half_checkpoint_and_the_leftover_is_cleaned(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ck.KILL_IN_PRUNE: "1", ck.KILL_RANK: "0"}
+    killed = subprocess.run([*CLI, f"run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300)
+    run = tmp_path / "pruned"
+    assert killed.returncode == -9 and (run / f".{ck.KILL_IN_PRUNE.lower()}-1").exists(), killed.stderr[-2000:]
+    names = sorted(p.name for p in ck.checkpoints_dir(run).iterdir())
+    # The victim was renamed before any file went: no step_* directory lacks its manifest.
+    assert names == ["step_00000001.deleting", "step_00000002"], names
+    assert all((ck.checkpoints_dir(run) / n / ck.MANIFEST).is_file() for n in names if ck.STEP_DIR.match(n))
+    resumed = subprocess.run([*CLI, f"run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {ck.step_dir(run, 2)} (step 2)" in resumed.stdout
+    assert sorted(p.name for p in ck.checkpoints_dir(run).iterdir()) == ["step_00000003"]
+
+
+def _host_rng(tmp_path: Path, name: str, seed: int) -> dict:
+    random.seed(name)  # a different state before each run: it must not matter
+    np.random.seed(ord(name))
+    cfg = small_config("comm.name=local", "masker.coverage=1", "train.batch_size=8", "train.steps=1",
+                       "checkpoint.enabled=true", f"seed={seed}", f"run.name={name}", run_dir=tmp_path)
+    run = train(cfg, ONE, plugin_manager())
+    state = ck.read_state(ck.step_dir(run.run_dir, 1) / ck.rank_files(0)[1])["rng"]
+    return {k: state[k] for k in ("python", "python_gauss", "numpy", "numpy_pos")}
+
+
+def test_python_and_numpy_states_in_checkpoints_derive_from_seed(tmp_path):
+    a, b, c = _host_rng(tmp_path, "a", 7), _host_rng(tmp_path, "b", 7), _host_rng(tmp_path, "c", 8)
+    for key in ("python", "numpy"):
+        assert a[key].equal(b[key]), key
+        assert not a[key].equal(c[key]), key
+    assert a["numpy_pos"] == b["numpy_pos"] and a["python_gauss"] == b["python_gauss"]
