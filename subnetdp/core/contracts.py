@@ -409,6 +409,14 @@ class ModelAdapter(Plugin, abc.ABC):
     @abc.abstractmethod
     def loss(self, output: Any, batch: Any) -> "torch.Tensor": ...
 
+    def training_loss(self, model: "nn.Module", batch: Any) -> "torch.Tensor":
+        """The loss of one training micro-batch (what the loop, the dry run and benchmarks call).
+
+        Default: ``loss(model(inputs(batch)), batch)``. An adapter may fuse the two, e.g. a language
+        model computing its head and cross entropy in chunks inside the forward.
+        """
+        return self.loss(model(self.inputs(batch)), batch)
+
     @abc.abstractmethod
     def metrics(self, outputs: Sequence[Any], batches: Sequence[Any]) -> dict[str, float]:
         """Eval metrics over several batches (e.g. ``accuracy`` and ``loss``)."""

@@ -125,7 +125,7 @@ def _step(model: torch.nn.Module, adapter: ModelAdapter, batch: Any, averager: O
     for micro in range(accum):
         with averager.no_sync() if micro < accum - 1 else _null():
             with autocast:
-                loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+                loss = adapter.training_loss(model, batch) / accum
             loss.backward()
     averager.finish()
     if clip > 0:

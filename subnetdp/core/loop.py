@@ -231,7 +231,7 @@ def _train(run: Run, pm: PluginManager) -> None:
                 batch = _to_device(next(batches), device)
                 with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                     with run.parallel.autocast():
-                        loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+                        loss = adapter.training_loss(model, batch) / accum
                     step_loss += loss.detach()
                     if micro == accum - 1:  # the inf/NaN check of the loss travels with the gradients
                         ckpt.carry_loss_check(averager, step_loss)

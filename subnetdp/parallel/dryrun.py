@@ -104,7 +104,7 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
                 # Clipping is left out, as in the unsharded dry run: in-place scaling and scalars.
                 for micro in range(accum):
                     with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                        adapter.loss(model(adapter.inputs(fbatch)), fbatch).div(accum).backward()
+                        adapter.training_loss(model, fbatch).div(accum).backward()
                 averager.finish()
                 optimizer.step()
 
