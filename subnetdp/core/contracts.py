@@ -441,6 +441,28 @@ class DataModule(Plugin, abc.ABC):
     @abc.abstractmethod
     def spec(self) -> DataSpec: ...
 
+    def planning_spec(self) -> tuple[DataSpec, str]:
+        """The spec for ``subnetdp plan``, with or without the data on disk, and where it came from.
+
+        Returns ``(spec, source)``; ``source`` starts with ``dataset`` when files were read and
+        ``config`` otherwise. Default: :meth:`spec` (right for modules whose spec reads no files).
+        """
+        return self.spec(), "config (the data module's spec reads no files)"
+
+    def example_batch(self, spec: DataSpec, batch_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """A batch of the loaders' shapes and dtypes made from the spec alone (for dry runs).
+
+        Default: token windows ``(tokens, targets)`` of ``(batch_size, seq_len)`` for a spec with
+        a vocabulary, else images ``(batch_size, C, S, S)`` with integer labels.
+        """
+        import torch
+
+        if spec.vocab_size or spec.seq_len:
+            tokens = torch.zeros(batch_size, spec.seq_len, dtype=torch.int64)
+            return tokens, tokens.clone()
+        images = torch.zeros(batch_size, spec.in_channels, spec.image_size, spec.image_size)
+        return images, torch.zeros(batch_size, dtype=torch.int64)
+
     @abc.abstractmethod
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> "ResumableLoader": ...
 

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from subnetdp.core.contracts import DataSpec, Handle, ModelAdapter, Partition
-from subnetdp.core.dryrun import DryRunCommunicator, fake_rank_model
+from subnetdp.core.dryrun import DryRunCommunicator, fake_rank_model, micro_batches
 from subnetdp.core.metrics import live_state_bytes, training_state_tensors
 from subnetdp.core.optim import build_optimizer
 from subnetdp.core.plan import MaskPlan
@@ -98,7 +98,7 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
             averager = ShardedOwnerAverager(model, pmap, plan.replicas(shard), partition, comm, shard,
                                             float(cfg.sync.bucket_cap_mb), bool(cfg.fsdp.reduce_each_micro_batch))
             fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
-            accum = int(cfg.train.grad_accum)
+            accum = micro_batches(int(cfg.train.grad_accum))  # the peak of all of them (see micro_batches)
 
             def step() -> None:
                 # Clipping is left out, as in the unsharded dry run: in-place scaling and scalars.
