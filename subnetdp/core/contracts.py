@@ -229,6 +229,9 @@ class MaskerConfig(PluginConfig):
     units_per_layer: int = 8  # neuron level: ranges each layer's hidden dimension is cut into
     refresh_every: int = 1  # backward masking: broadcast owners' values to all ranks every N steps
     resample_every: int = 0  # re-draw the plan every N steps from a fixed family (0 = never)
+    # Heterogeneous ranks: one coverage per rank (per replica with fsdp.shard_size > 1), overriding
+    # masker.coverage; empty: every rank keeps masker.coverage. `subnetdp plan --memory` fills it.
+    capacity: list = field(default_factory=list)
 
 
 @dataclass

@@ -257,6 +257,19 @@ def group_units(partition: Partition, group_by: str = "auto") -> dict[str, list[
     return {g: [u.id for u in units] for g, units in partition.groups().items()}
 
 
+def rank_coverages(mcfg: Any, world_size: int) -> list[float]:
+    """Each rank's coverage: ``masker.capacity`` (one per rank) or ``masker.coverage`` for all."""
+    from subnetdp.core.errors import ConfigError
+
+    capacity = [float(c) for c in (getattr(mcfg, "capacity", None) or [])]
+    if not capacity:
+        return [float(mcfg.coverage)] * world_size
+    if len(capacity) != world_size:
+        raise ConfigError("masker.capacity", capacity, f"has {len(capacity)} entries for {world_size} ranks "
+                          "(replicas, with fsdp.shard_size > 1)", "give one coverage per rank, or [] for masker.coverage")
+    return capacity
+
+
 def _is_valid(plan: MaskPlan, min_owners: int) -> bool:
     return all(plan.k(u) >= min_owners for u in range(plan.num_units))
 
@@ -284,6 +297,7 @@ def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: i
 
 def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int = 1) -> MaskPlan:
     """Run the masker and validate its plan (before any process group exists)."""
+    rank_coverages(masker.cfg, world_size)  # a capacity list of the wrong length fails here, by name
     plan = masker.plan(partition, world_size, seed)
     if plan.world_size != world_size or plan.num_units != len(partition.units):
         raise PlanError(f"masker '{masker.name}' returned a plan for {plan.world_size} ranks and "
@@ -292,5 +306,6 @@ def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, m
     plan.validate(min_owners, names, hint=lambda: _coverage_hint(masker, partition, world_size, seed, min_owners))
     if min_owners > world_size:
         raise PlanError(f"masker.min_owners={min_owners} exceeds the world size {world_size}")
-    plan.warn_coverage(partition, float(masker.cfg.coverage), str(getattr(masker.cfg, "group_by", "auto")))
+    if not getattr(masker.cfg, "capacity", None):  # with capacities, ranks differ on purpose
+        plan.warn_coverage(partition, float(masker.cfg.coverage), str(getattr(masker.cfg, "group_by", "auto")))
     return plan

@@ -129,11 +129,16 @@ def ownership_table(report: dict[str, Any], width: int = 96) -> str:
     return "\n".join(lines)
 
 
+def human_bytes(n: float) -> str:
+    """``23.89 GiB`` or ``51.2 MiB``."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _rank_line(row: dict[str, Any], full: int, est: bool, label: str | None = None) -> str:
     line = (f"{label or row['rank']:>9}  {row['owned_units']:>5}  {row['coverage']:>8.3f}  {row['params_per_rank']:>14,}  "
             f"{row['params_per_rank'] / full:>7.1%}  {row['cost'] / 1e9:>10.3f}")
     if est:
-        line += f"  {row['peak_memory_bytes'] / 2**30:>11.2f} GiB  {row['bytes_per_step'] / 2**20:>9.2f} MiB"
+        line += f"  {human_bytes(row['peak_memory_bytes']):>15}  {row['bytes_per_step'] / 2**20:>9.2f} MiB"
     return line
 
 
