@@ -75,8 +75,9 @@ def estimator_for(cfg: DictConfig) -> Any:
     return estimate_rank
 
 
-def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True) -> dict[str, Any]:
-    """Everything ``subnetdp plan`` shows, as a JSON-ready dict."""
+def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True,
+                only_rank: int | None = None) -> dict[str, Any]:
+    """Everything ``subnetdp plan`` shows, as a JSON-ready dict (``only_rank``: dry-run that rank only)."""
     data, spec, source, adapter, partition, plan = shape_plan(cfg, world_size, pm)
     report = plan.to_dict(partition)
     report.update({"granularity": partition.granularity, "regime": str(cfg.masker.regime),
@@ -97,7 +98,7 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
         row: dict[str, Any] = {"rank": r, "owned_units": len(plan.owned[r]),
                                "coverage": len(plan.owned[r]) / total_units,
                                "params_per_rank": report["params_per_rank"][r], "cost": report["cost_per_rank"][r]}
-        if estimate:
+        if estimate and (only_rank is None or r == only_rank):
             key = shape_key(partition, plan, r, shard)
             if key not in cache:
                 cache[key] = estimator(cfg, adapter, spec, partition, plan, r, batch)
