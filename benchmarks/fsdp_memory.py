@@ -145,7 +145,7 @@ class C10dOps(TorchDispatchMode):
 
 
 def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicator, precision: str,
-            meshes: dict[tuple[int, int], Any]) -> dict:
+            meshes: dict[tuple[int, int], Any], crosscheck: bool = True) -> dict:
     """Rank 0's peak tensor memory and collective bytes for one steady-state step of ``setup``."""
     cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={setup.coverage}", f"model.loss_chunk={setup.chunk}"],
                   pm.registries)
@@ -212,7 +212,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         seconds = time.perf_counter() - t0
         sdp_payload, sdp_wire = comm.bytes.total(), comm.bytes.ring_estimate()  # before the cross-check's step
         cross = None
-        if S > 1 and setup.accum == 1:  # FSDPMemTracker follows one forward per step
+        if crosscheck and S > 1 and setup.accum == 1:  # FSDPMemTracker follows one forward per step
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             averager.prepare()
@@ -221,7 +221,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
             with fmt:
                 step()
             cross = sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())
-        if not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1:
+        if crosscheck and not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1:
             cross = llama_memory.measure(variant, setup.coverage, pm)["peak_bytes"]
     held = sum(ShardTracker._local(p).numel() for p in model.parameters())
     return {**row, "blocks_held": len(plan.owned[0]), "blocks": plan.num_units,
@@ -291,7 +291,7 @@ def loss_summary(rows: list[dict], precision: str) -> str:
     pick = {(r["mode"], r["coverage"], r["shard"], r["loss_chunk"]): r for r in rows if "skipped" not in r}
     parts = []
     for (mode, c, s, k), r in pick.items():
-        if k:
+        if k and (mode, c, s, 0) in pick:
             plain = pick[(mode, c, s, 0)]
             parts.append(f"{mode} C={c:g} {WORLD // s}x{s}: {plain['peak_bytes'] / GiB:.2f} -> {r['peak_bytes'] / GiB:.2f} GiB "
                          f"({plain['peak_ratio_to_ddp']:.3f}x -> {r['peak_ratio_to_ddp']:.3f}x DDP)")
@@ -305,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--loss", action="store_true",
                     help="the chunked LM-head loss against the full logits (1B; writes fsdp_memory_loss[_bf16].json)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="only these rows of the table (0-based)")
+    ap.add_argument("--no-crosscheck", action="store_true", help="skip the FSDPMemTracker / llama_memory cross-checks")
     args = ap.parse_args(argv)
     setups = LOSS_SETUPS if args.loss else SETUPS
+    if args.rows:
+        setups = tuple(setups[i] for i in args.rows)
     if args.loss:
         args.variants = ["1b"]
     stem = "fsdp_memory_loss" if args.loss else "fsdp_memory"
@@ -323,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants:
         ddps: dict[int, dict] = {}  # the DDP row with the same number of micro-batches
         for setup in setups:
-            r = measure(variant, setup, pm, comm, args.precision, meshes)
+            r = measure(variant, setup, pm, comm, args.precision, meshes, not args.no_crosscheck)
             if "skipped" not in r:
                 ddp = ddps.setdefault(setup.accum, r)  # plain DDP (full logits): the baseline of every row
                 r["peak_ratio_to_ddp"] = r["peak_bytes"] / ddp["peak_bytes"]
