@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -31,7 +30,7 @@ def test_plan_needs_no_dataset_on_disk(recipe, tmp_path, monkeypatch):
 def test_shape_plan_is_the_training_plan_when_the_data_exists(tmp_path):
     cfg = small_config("masker.coverage=0.5")  # digits: the data ships with scikit-learn
     pm = plugin_manager()
-    _, spec, _, _, partition, plan = _build_plan(cfg, 4, pm)[0], *_build_plan(cfg, 4, pm)[1:2], None, None, *_build_plan(cfg, 4, pm)[4:]
+    _, spec, _, _, partition, plan = _build_plan(cfg, 4, pm)
     _, spec2, source, _, partition2, plan2 = shape_plan(cfg, 4, pm)
     assert spec2 == spec and plan2.digest() == plan.digest()
     assert [(u.name, u.cost, u.slices) for u in partition2.units] == [(u.name, u.cost, u.slices) for u in partition.units]
