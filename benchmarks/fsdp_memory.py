@@ -95,6 +95,7 @@ class Setup:
     ac: bool = False
     accum: int = 1  # micro-batches per step; all but the last under the averager's no_sync()
     defer: bool = False  # fsdp.reduce_each_micro_batch=false: one reduce-scatter per step
+    chunk: int = 0  # model.loss_chunk: 0 = the full logits at once; > 0 = the chunked LM-head loss
 
     @property
     def replicas(self) -> int:
@@ -112,6 +113,10 @@ SETUPS = (
     Setup("DDP", 1.0, accum=2), Setup("FSDP+AC", 1.0, 8, True, 2), Setup("SDP+FSDP+AC", 0.5, 4, True, 2),
     Setup("FSDP+AC", 1.0, 8, True, 2, True), Setup("SDP+FSDP+AC", 0.5, 4, True, 2, True),
 )
+# --loss: the chunked LM-head loss (model.loss_chunk=1024) against the full logits, 1B, rank 0 of 8.
+LOSS_SETUPS = tuple(Setup(m, c, s, ac, chunk=k) for k in (0, 1024) for m, c, s, ac in (
+    ("DDP", 1.0, 1, False), ("FSDP+AC", 1.0, 8, True), ("SDP", 0.5, 1, False),
+    ("SDP+FSDP+AC", 0.5, 4, True), ("SDP+FSDP+AC", 0.69, 4, True)))
 
 
 class C10dOps(TorchDispatchMode):
@@ -140,16 +145,17 @@ class C10dOps(TorchDispatchMode):
 
 
 def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicator, precision: str,
-            meshes: dict[tuple[int, int], Any]) -> dict:
+            meshes: dict[tuple[int, int], Any], crosscheck: bool = True) -> dict:
     """Rank 0's peak tensor memory and collective bytes for one steady-state step of ``setup``."""
-    cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={setup.coverage}"], pm.registries)
+    cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={setup.coverage}", f"model.loss_chunk={setup.chunk}"],
+                  pm.registries)
     assert int(cfg.launch.nproc) == WORLD
     batch, seq, R, S = int(cfg.train.batch_size), int(cfg.data.seq_len), setup.replicas, setup.shard
     spec = DataSpec(vocab_size=32_000, seq_len=seq)
     adapter = pm.get("model", "llama")(cfg.model)
     masker = pm.get("masker", cfg.masker.name)(cfg.masker)
     row: dict[str, Any] = {"variant": variant, "mode": setup.mode, "coverage": setup.coverage, "replicas": R,
-                           "shard": S, "ac": setup.ac, "accum": setup.accum, "defer": setup.defer, "precision": precision,
+                           "shard": S, "ac": setup.ac, "accum": setup.accum, "defer": setup.defer, "loss_chunk": setup.chunk, "precision": precision,
                            "micro_batch": batch, "seq_len": seq}
     with FakeTensorMode(allow_non_fake_inputs=True):
         full = adapter.build(spec)
@@ -185,7 +191,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
             for micro in range(setup.accum):
                 with averager.no_sync() if micro < setup.accum - 1 else contextlib.nullcontext():
                     with autocast:
-                        loss = adapter.loss(model(adapter.inputs(data)), data) / setup.accum
+                        loss = adapter.training_loss(model, data) / setup.accum
                     after_forward.extend(t.current for t in active)
                     loss.backward()
             averager.finish()  # collective: the owner groups average the gradients
@@ -206,7 +212,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         seconds = time.perf_counter() - t0
         sdp_payload, sdp_wire = comm.bytes.total(), comm.bytes.ring_estimate()  # before the cross-check's step
         cross = None
-        if S > 1 and setup.accum == 1:  # FSDPMemTracker follows one forward per step
+        if crosscheck and S > 1 and setup.accum == 1:  # FSDPMemTracker follows one forward per step
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             averager.prepare()
@@ -215,7 +221,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
             with fmt:
                 step()
             cross = sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())
-        if not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1:
+        if crosscheck and not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1:
             cross = llama_memory.measure(variant, setup.coverage, pm)["peak_bytes"]
     held = sum(ShardTracker._local(p).numel() for p in model.parameters())
     return {**row, "blocks_held": len(plan.owned[0]), "blocks": plan.num_units,
@@ -239,7 +245,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         rxs = f"{r['replicas']}x{r['shard']}"
-        label = r["mode"] + (f" {r['accum']}mb" if r["accum"] > 1 else "") + (" defer" if r.get("defer") else "")
+        label = (r["mode"] + (f" {r['accum']}mb" if r["accum"] > 1 else "") + (" defer" if r.get("defer") else "")
+                 + (" chunked" if r.get("loss_chunk") else ""))
         if "skipped" in r:
             lines.append(f"{r['variant']:>5} {label:>21} {r['coverage']:>5g} {rxs:>5}  skipped: {r['skipped'][:60]}")
             continue
@@ -254,7 +261,7 @@ def table(rows: list[dict]) -> str:
 
 def compare(rows: list[dict], precision: str) -> str:
     """The 1B figures next to the method's (GB = 1e9 bytes and MB = 1e6 bytes, as the paper's units are read)."""
-    one = [r for r in rows if r["variant"] == "1b" and "skipped" not in r and r["accum"] == 1]
+    one = [r for r in rows if r["variant"] == "1b" and "skipped" not in r and r["accum"] == 1 and not r.get("loss_chunk")]
     if not one:
         return ""
     pick = {(r["mode"], r["coverage"], r["replicas"], r["shard"]): r for r in one}
@@ -279,28 +286,50 @@ def compare(rows: list[dict], precision: str) -> str:
             f"{PAPER['bytes_MB_per_step']['SDP+FSDP'] / PAPER['bytes_MB_per_step']['DDP']:.2f}x).")
 
 
+def loss_summary(rows: list[dict], precision: str) -> str:
+    """Each configuration with and without the chunked loss, as a fraction of plain DDP's peak."""
+    pick = {(r["mode"], r["coverage"], r["shard"], r["loss_chunk"]): r for r in rows if "skipped" not in r}
+    parts = []
+    for (mode, c, s, k), r in pick.items():
+        if k and (mode, c, s, 0) in pick:
+            plain = pick[(mode, c, s, 0)]
+            parts.append(f"{mode} C={c:g} {WORLD // s}x{s}: {plain['peak_bytes'] / GiB:.2f} -> {r['peak_bytes'] / GiB:.2f} GiB "
+                         f"({plain['peak_ratio_to_ddp']:.3f}x -> {r['peak_ratio_to_ddp']:.3f}x DDP)")
+    return f"1B LLaMA, {precision}, rank 0 of 8, chunked loss (model.loss_chunk=1024) vs full logits: " + "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--variants", nargs="+", default=["1b", "500m"], choices=["1b", "500m", "134m"])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--loss", action="store_true",
+                    help="the chunked LM-head loss against the full logits (1B; writes fsdp_memory_loss[_bf16].json)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="only these rows of the table (0-based)")
+    ap.add_argument("--no-crosscheck", action="store_true", help="skip the FSDPMemTracker / llama_memory cross-checks")
     args = ap.parse_args(argv)
-    out_path = args.out or RESULTS / ("fsdp_memory.json" if args.precision == "fp32" else "fsdp_memory_bf16.json")
+    setups = LOSS_SETUPS if args.loss else SETUPS
+    if args.rows:
+        setups = tuple(setups[i] for i in args.rows)
+    if args.loss:
+        args.variants = ["1b"]
+    stem = "fsdp_memory_loss" if args.loss else "fsdp_memory"
+    out_path = args.out or RESULTS / (f"{stem}.json" if args.precision == "fp32" else f"{stem}_bf16.json")
     torch.set_num_threads(1)
     pm = PluginManager()
     comm = FakeCommunicator(0, WORLD)  # subnetdp's dry-run communicator over torch's fake process group
     comm.init()
     # Device meshes are made outside FakeTensorMode (DeviceMesh reads its rank layout with .tolist()).
     meshes = {(s.replicas, s.shard): init_device_mesh("cpu", (s.replicas, s.shard), mesh_dim_names=("replica", "shard"))
-              for s in SETUPS if s.shard > 1}
+              for s in setups if s.shard > 1}
     rows = []
     t0 = time.perf_counter()
     for variant in args.variants:
         ddps: dict[int, dict] = {}  # the DDP row with the same number of micro-batches
-        for setup in SETUPS:
-            r = measure(variant, setup, pm, comm, args.precision, meshes)
+        for setup in setups:
+            r = measure(variant, setup, pm, comm, args.precision, meshes, not args.no_crosscheck)
             if "skipped" not in r:
-                ddp = ddps.setdefault(setup.accum, r)
+                ddp = ddps.setdefault(setup.accum, r)  # plain DDP (full logits): the baseline of every row
                 r["peak_ratio_to_ddp"] = r["peak_bytes"] / ddp["peak_bytes"]
                 r["payload_ratio_to_ddp"] = r["payload_bytes"] / ddp["payload_bytes"]
                 r["wire_ratio_to_ddp"] = r["wire_bytes"] / ddp["wire_bytes"]
@@ -308,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {variant} {setup.mode} C={setup.coverage} {setup.replicas}x{setup.shard}: "
                   f"{r.get('peak_bytes', 0) / GiB:.2f} GiB ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     text = table(rows)
-    comparison = compare(rows, args.precision)
+    comparison = compare(rows, args.precision) if not args.loss else loss_summary(rows, args.precision)
     print(text + "\n\n" + comparison)
     out = {"benchmark": "fsdp_memory", "command": " ".join([Path(sys.executable).name] + sys.argv),
            "precision": args.precision, "world": WORLD, "rank": 0,

@@ -117,6 +117,18 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     world = int(cfg.launch.nproc if ns.world_size is None else ns.world_size)
     if world < 1:
         raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")
+    if ns.memory:
+        from subnetdp.train.budget import budget_search, format_budget, parse_memory
+
+        result = budget_search(cfg, world, pm, parse_memory(ns.memory, world))
+        report = result.get("report")
+        if ns.json:
+            print(json.dumps(result, indent=2))
+            return 0
+        if report is not None:
+            print(format_report(report) + "\n")
+        print(format_budget(result))
+        return 0 if result.get("fits") else 1
     report = plan_report(cfg, world, pm, estimate=not ns.no_estimate)
     if ns.png:
         plan = MaskPlan.from_dict(report)
@@ -316,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
     p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")
+    p.add_argument("--memory", metavar="BUDGET", default=None,
+                   help="find the largest coverage whose estimated peak fits BUDGET per rank (24GiB), or one budget "
+                        "per rank (80GiB,80GiB,24GiB,24GiB: heterogeneous ranks, masker.capacity); says what "
+                        "would fit when nothing does")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("recipes", help="list the built-in recipes",
                        description="List the built-in recipes (configs/recipes) with their first comment line; "

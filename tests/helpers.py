@@ -105,7 +105,7 @@ def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str,
         for _ in range(steps):
             opt.zero_grad()
             batch = next(batches)
-            adapter.loss(ddp(adapter.inputs(batch)), batch).backward()
+            adapter.training_loss(ddp, batch).backward()
             opt.step()
             sched.step()
         return {n: p.detach().clone() for n, p in model.named_parameters()}

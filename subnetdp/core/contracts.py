@@ -250,6 +250,7 @@ class MaskerConfig(PluginConfig):
     units_per_layer: int = doc("neuron level: ranges each layer's hidden dimension is cut into", 8)
     refresh_every: int = doc("backward masking: owners' values reach every rank every N steps", 1)
     resample_every: int = doc('re-draw the plan every N steps from a fixed family (0 = never)', 0)
+    capacity: list = doc('heterogeneous ranks: one coverage per rank (per replica with fsdp.shard_size > 1) overriding masker.coverage; empty: every rank keeps masker.coverage (subnetdp plan --memory fills it)', factory=list)
 
 
 @dataclass
@@ -458,6 +459,14 @@ class ModelAdapter(Plugin, abc.ABC):
     @abc.abstractmethod
     def loss(self, output: Any, batch: Any) -> "torch.Tensor": ...
 
+    def training_loss(self, model: "nn.Module", batch: Any) -> "torch.Tensor":
+        """The loss of one training micro-batch (what the loop, the dry run and benchmarks call).
+
+        Default: ``loss(model(inputs(batch)), batch)``. An adapter may fuse the two, e.g. a language
+        model computing its head and cross entropy in chunks inside the forward.
+        """
+        return self.loss(model(self.inputs(batch)), batch)
+
     @abc.abstractmethod
     def metrics(self, outputs: Sequence[Any], batches: Sequence[Any]) -> dict[str, float]:
         """Eval metrics over several batches (e.g. ``accuracy`` and ``loss``)."""
@@ -529,6 +538,28 @@ class DataModule(Plugin, abc.ABC):
 
     @abc.abstractmethod
     def spec(self) -> DataSpec: ...
+
+    def planning_spec(self) -> tuple[DataSpec, str]:
+        """The spec for ``subnetdp plan``, with or without the data on disk, and where it came from.
+
+        Returns ``(spec, source)``; ``source`` starts with ``dataset`` when files were read and
+        ``config`` otherwise. Default: :meth:`spec` (right for modules whose spec reads no files).
+        """
+        return self.spec(), "config (the data module's spec reads no files)"
+
+    def example_batch(self, spec: DataSpec, batch_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """A batch of the loaders' shapes and dtypes made from the spec alone (for dry runs).
+
+        Default: token windows ``(tokens, targets)`` of ``(batch_size, seq_len)`` for a spec with
+        a vocabulary, else images ``(batch_size, C, S, S)`` with integer labels.
+        """
+        import torch
+
+        if spec.vocab_size or spec.seq_len:
+            tokens = torch.zeros(batch_size, spec.seq_len, dtype=torch.int64)
+            return tokens, tokens.clone()
+        images = torch.zeros(batch_size, spec.in_channels, spec.image_size, spec.image_size)
+        return images, torch.zeros(batch_size, dtype=torch.int64)
 
     @abc.abstractmethod
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> "ResumableLoader": ...

@@ -112,11 +112,41 @@ class MaskPlan:
         return total / max(weight, 1.0)
 
     def spectral_gap(self, partition: Partition) -> float:
-        """``1 - lambda_2`` of the mixing matrix (reported, not enforced)."""
+        """``1 - lambda_2`` of the mixing matrix (reported, not enforced).
+
+        Up to :data:`DENSE_GAP_RANKS` ranks from the dense matrix; above, by Lanczos iteration
+        (``scipy.sparse.linalg.eigsh``) on the matrix applied owner set by owner set with the
+        all-ones eigenvector (eigenvalue 1) projected out, which needs no W x W matrix (a dense
+        eigendecomposition of 4,096 ranks takes minutes).
+        """
         if self.world_size == 1:
             return 1.0
-        eig = np.sort(np.linalg.eigvalsh(self.mixing_matrix(partition)))[::-1]
-        return float(1.0 - eig[1])
+        if self.world_size <= DENSE_GAP_RANKS:
+            eig = np.sort(np.linalg.eigvalsh(self.mixing_matrix(partition)))[::-1]
+            return float(1.0 - eig[1])
+        from scipy.sparse.linalg import LinearOperator, eigsh
+
+        W = self.world_size
+        weights: dict[tuple[int, ...], float] = {}
+        for u in partition.units:
+            if self.owners(u.id):
+                weights[self.owners(u.id)] = weights.get(self.owners(u.id), 0.0) + partition.unit_numel(u)
+        world = tuple(range(W))
+        weights[world] = weights.get(world, 0.0) + partition.shared_numel()
+        total = sum(weights.values()) or 1.0
+        sets = [(np.array(o), w / total) for o, w in weights.items() if w > 0]
+
+        def apply(x: np.ndarray) -> np.ndarray:
+            x = np.asarray(x, dtype=np.float64).reshape(-1)
+            x = x - x.mean()  # project out the all-ones eigenvector
+            y = x * sum(w for _, w in sets)
+            for idx, w in sets:
+                y[idx] += w * (x[idx].mean() - x[idx])
+            return y - y.mean()
+
+        op = LinearOperator((W, W), matvec=apply, dtype=np.float64)
+        lam = eigsh(op, k=1, which="LA", tol=1e-10, v0=np.cos(np.arange(W) + 0.5), return_eigenvectors=False)
+        return float(1.0 - min(1.0, max(0.0, lam[0])))
 
     def unit_graph_components(self) -> int:
         """Connected components of the rank graph whose edges join co-owners of a unit."""
@@ -212,6 +242,7 @@ def units_kept(coverage: float, k: int) -> int:
 
 
 GROUP_BY = ("auto", "model")
+DENSE_GAP_RANKS = 256  # above, the spectral gap comes from Lanczos iteration, not the dense matrix
 
 
 def group_units(partition: Partition, group_by: str = "auto") -> dict[str, list[int]]:
@@ -223,6 +254,19 @@ def group_units(partition: Partition, group_by: str = "auto") -> dict[str, list[
     if group_by == "model":
         return {"model": [u.id for u in partition.units]}
     return {g: [u.id for u in units] for g, units in partition.groups().items()}
+
+
+def rank_coverages(mcfg: Any, world_size: int) -> list[float]:
+    """Each rank's coverage: ``masker.capacity`` (one per rank) or ``masker.coverage`` for all."""
+    from subnetdp.core.errors import ConfigError
+
+    capacity = [float(c) for c in (getattr(mcfg, "capacity", None) or [])]
+    if not capacity:
+        return [float(mcfg.coverage)] * world_size
+    if len(capacity) != world_size:
+        raise ConfigError("masker.capacity", capacity, f"has {len(capacity)} entries for {world_size} ranks "
+                          "(replicas, with fsdp.shard_size > 1)", "give one coverage per rank, or [] for masker.coverage")
+    return capacity
 
 
 def _is_valid(plan: MaskPlan, min_owners: int) -> bool:
@@ -252,6 +296,7 @@ def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: i
 
 def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int = 1) -> MaskPlan:
     """Run the masker and validate its plan (before any process group exists)."""
+    rank_coverages(masker.cfg, world_size)  # a capacity list of the wrong length fails here, by name
     plan = masker.plan(partition, world_size, seed)
     if plan.world_size != world_size or plan.num_units != len(partition.units):
         raise PlanError(f"masker '{masker.name}' returned a plan for {plan.world_size} ranks and "
@@ -260,5 +305,6 @@ def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, m
     plan.validate(min_owners, names, hint=lambda: _coverage_hint(masker, partition, world_size, seed, min_owners))
     if min_owners > world_size:
         raise PlanError(f"masker.min_owners={min_owners} exceeds the world size {world_size}")
-    plan.warn_coverage(partition, float(masker.cfg.coverage), str(masker.cfg.group_by))
+    if not masker.cfg.capacity:  # with capacities, ranks differ on purpose
+        plan.warn_coverage(partition, float(masker.cfg.coverage), str(masker.cfg.group_by))
     return plan

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition
 from subnetdp.parallel.dryrun_comm import FakeGroupCommunicator, fake_mesh
-from subnetdp.train.dryrun import DryRunGuard, fake_rank_model
+from subnetdp.train.dryrun import DryRunGuard, fake_rank_model, micro_batches
 from subnetdp.parallel.memory import live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import train_step
@@ -60,7 +60,7 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
 
             def step(n: int) -> None:
                 train_step(model, adapter, itertools.repeat(fbatch), averager, optimizer, guard, step=n,
-                           accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm))
+                           accum=micro_batches(int(cfg.train.grad_accum)), clip=float(cfg.optim.clip_grad_norm))
 
             measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
             if measured > 1:

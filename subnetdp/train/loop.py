@@ -468,7 +468,7 @@ def _summarise(run: Run, meter: Meter, done: int) -> dict[str, Any]:
             r.update(peak_memory_bytes=None, bytes_sent_per_step=None, wire_bytes_per_step_ring=None)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
                "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
-               "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
+               "num_units": run.plan.num_units, "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
                "ranks": ranks}
     if not step_times and not peak:
         summary["note"] = ("resumed from the checkpoint of the last step: the union model was evaluated again; "
@@ -512,9 +512,10 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
     if summary["eval"]:
         lines.append("union model: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
     full = summary["full_model_params"]
-    lines.append(f"{'rank':>4}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
+    units = summary.get("num_units") or 1
+    lines.append(f"{'rank':>4}  {'units':>5}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
     for r in summary["ranks"]:
-        lines.append(f"{r['rank']:>4}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
+        lines.append(f"{r['rank']:>4}  {len(r['owned_units']) / units:>5.0%}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
                      + (f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  " if r["peak_memory_bytes"] is not None else f"{'n/a':>13}  ")
                      + (f"{r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  " if r["bytes_sent_per_step"] is not None else f"{'n/a':>15}  ")
                      + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))

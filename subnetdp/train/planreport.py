@@ -1,54 +1,116 @@
-"""``subnetdp plan``: the mask plan of a config for N ranks, without training or a process group.
+"""``subnetdp plan``: the mask plan of a config for N ranks, without training, data or a process group.
 
 The report holds the ranks x units ownership table, owner counts, the connectivity and spectral gap
 of the averaging graph, and per rank: parameters held, compute cost, and the peak memory and bytes
 per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.train.dryrun`).
+
+Only the data's shape is needed (:meth:`~subnetdp.core.contracts.DataModule.planning_spec`: from
+the dataset when it is on disk, from the config otherwise; the report says which). The full model
+is built on the ``meta`` device and partitioned with fake tensors, so planning a 1B model allocates
+nothing, and ranks whose subnetworks have the same shape share one dry run, so 4,096 ranks plan in
+seconds.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
-from subnetdp.train.dryrun import estimate_rank
+from subnetdp.core.contracts import DataModule, DataSpec, ModelAdapter, Partition
+from subnetdp.train.dryrun import estimate_rank, fake_module
+from subnetdp.core.plan import MaskPlan
+
+SHOWN_RANKS = 32  # the text report lists every rank up to this many, then one line per distinct shape
 
 
-def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True) -> dict[str, Any]:
-    """Everything ``subnetdp plan`` shows, as a JSON-ready dict."""
-    from subnetdp.train.loop import build_plan
+def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, DataSpec, str, ModelAdapter, Partition, MaskPlan]:
+    """Data module, spec (and its source), adapter, partition and validated plan from the data's shape.
 
-    data, spec, adapter, full, partition, plan = build_plan(cfg, world_size, pm)
-    del full
+    The same partition and plan as the loop's (:func:`subnetdp.train.loop.build_plan`), made without
+    reading the data (when it is not there) and without allocating the model.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from subnetdp.core import config as config_mod
+    from subnetdp.core.plan import make_plan
+    from subnetdp.sdp.variants import partition_model
+
+    regs = pm.registries
+    data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
+    spec, source = data.planning_spec()
+    adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
+    masker = regs["masker"].create(cfg.masker.name, cfg.masker)
+    replicas = config_mod.check_world(cfg, world_size)
+    with torch.device("meta"):  # initialisers run as no-ops; nothing is allocated
+        full = adapter.build(spec)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_module(full, fake)  # unit costs are measured by running blocks on fake tensors
+    with fake:
+        partition = partition_model(adapter, full, cfg.masker, spec)
+    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners))
+    return data, spec, source, adapter, partition, plan.replicated(int(cfg.fsdp.shard_size))
+
+
+def shape_key(partition: Partition, plan: MaskPlan, rank: int, shard: int = 1) -> tuple:
+    """What a rank's dry run depends on: the shapes of its units by group, which of them share an
+    owner set (the bucket layout), and with FSDP its shard index. Equal keys, equal estimates."""
+    owned = plan.owned[rank]
+    units = []
+    first: dict[tuple[int, ...], int] = {}
+    for i, u in enumerate(owned):
+        unit = partition.units[u]
+        shapes = tuple((partition.shapes[t.name], t.dim, t.stop - t.start) for t in unit.slices)
+        units.append((unit.group, shapes, first.setdefault(plan.owners(u), i)))
+    return tuple(units) + ((rank % shard,) if shard > 1 else ())
+
+
+def estimator_for(cfg: DictConfig) -> Any:
+    """The dry run of one rank: unsharded, or FSDP2 over torch's fake process group."""
+    if int(cfg.fsdp.shard_size) > 1:
+        from subnetdp.train.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
+
+        return estimate_sharded_rank
+    return estimate_rank
+
+
+def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True,
+                only_rank: int | None = None) -> dict[str, Any]:
+    """Everything ``subnetdp plan`` shows, as a JSON-ready dict (``only_rank``: dry-run that rank only)."""
+    data, spec, source, adapter, partition, plan = shape_plan(cfg, world_size, pm)
     report = plan.to_dict(partition)
     report.update({"granularity": partition.granularity, "regime": str(cfg.masker.regime),
                    "masker": str(cfg.masker.name), "coverage": float(cfg.masker.coverage),
+                   "capacity": [float(c) for c in (cfg.masker.get("capacity") or [])],
                    "owner_sets": len(plan.owner_sets()), "max_groups": int(cfg.sync.max_groups),
+                   "data_spec": dict(spec.__dict__), "data_source": source,
                    "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units)})
     shard = int(cfg.fsdp.shard_size)
-    estimator = estimate_rank
     if shard > 1:
         report["fsdp_shard_size"] = shard
-        from subnetdp.train.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
-
-        estimator = estimate_sharded_rank
+    estimator = estimator_for(cfg)
+    cache: dict[tuple, dict[str, Any]] = {}
+    batch = data.example_batch(spec, int(cfg.train.batch_size)) if estimate else None
     ranks = []
-    cache: dict[tuple[int, ...], dict[str, Any]] = {}
-    batch = next(iter(data.train_loader(0, world_size, int(cfg.train.batch_size)))) if estimate else None
+    total_units = max(1, len(partition.units))
     for r in range(world_size):
         row: dict[str, Any] = {"rank": r, "owned_units": len(plan.owned[r]),
+                               "coverage": len(plan.owned[r]) / total_units,
                                "params_per_rank": report["params_per_rank"][r], "cost": report["cost_per_rank"][r]}
-        if estimate:
-            key = tuple(plan.owned[r])
-            # Ranks that own the same units in the same owner sets have the same step.
-            sig = key + tuple(len(plan.owners(u)) for u in key) + ((r % shard,) if shard > 1 else ())
-            if sig not in cache:  # with FSDP, shard indices can hold slightly different shard sizes
-                cache[sig] = estimator(cfg, adapter, spec, partition, plan, r, batch)
-            row.update(cache[sig])
+        if estimate and (only_rank is None or r == only_rank):
+            key = shape_key(partition, plan, r, shard)
+            if key not in cache:
+                cache[key] = estimator(cfg, adapter, spec, partition, plan, r, batch)
+            row.update(cache[key])
             if shard > 1:
                 row["params_per_rank"] = row["params_held"]  # this rank's shards
         ranks.append(row)
     report["ranks"] = ranks
+    report["dry_runs"] = len(cache)
+    costs = [row["cost"] for row in ranks]
+    # Every step waits for the slowest rank: the mean over the max is the share of compute not idle.
+    report["cost_balance"] = (sum(costs) / len(costs)) / max(costs) if max(costs) > 0 else 1.0
     return report
 
 
@@ -62,8 +124,11 @@ def ownership_table(report: dict[str, Any], width: int = 96) -> str:
     """Ranks x units as ``#`` (owned) and ``.``; the last line gives each unit's owner count."""
     n = report["num_units"]
     shown = min(n, width)
-    lines = [f"ranks x units ({n} units{'' if shown == n else f', first {shown} shown'}):"]
-    for r, owned in enumerate(report["owned"]):
+    owned_all = report["owned"]
+    rows = owned_all if len(owned_all) <= SHOWN_RANKS else owned_all[:SHOWN_RANKS // 2]
+    lines = [f"ranks x units ({n} units{'' if shown == n else f', first {shown} shown'}"
+             + (f"; first {len(rows)} of {len(owned_all)} ranks shown" if len(rows) < len(owned_all) else "") + "):"]
+    for r, owned in enumerate(rows):
         mine = set(owned)
         lines.append(f"  rank {r:>3} " + "".join("#" if u in mine else "." for u in range(shown)))
     counts = [len(u["owners"]) for u in report["units"]]
@@ -71,11 +136,50 @@ def ownership_table(report: dict[str, Any], width: int = 96) -> str:
     return "\n".join(lines)
 
 
+def human_bytes(n: float) -> str:
+    """``23.89 GiB`` or ``51.2 MiB``."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _rank_line(row: dict[str, Any], full: int, est: bool, label: str | None = None, held: int | None = None) -> str:
+    line = (f"{label or row['rank']:>9}  {row['owned_units']:>5}  {row['coverage']:>8.3f}  "
+            + (f"{held:>14,}  " if held is not None else "") + f"{row['params_per_rank']:>14,}  "
+            f"{row['params_per_rank'] / full:>7.1%}  {row['cost'] / 1e9:>10.3f}")
+    if est:
+        line += f"  {human_bytes(row['peak_memory_bytes']):>15}  {row['bytes_per_step'] / 2**20:>9.2f} MiB"
+    return line
+
+
+def rank_table(report: dict[str, Any]) -> list[str]:
+    """One line per rank (up to :data:`SHOWN_RANKS`), else one per distinct row with its rank range."""
+    full, ranks = report["full_model_params"], report["ranks"]
+    est = "peak_memory_bytes" in ranks[0]
+    backward = report.get("regime") == "backward"  # every rank holds the full model, trains its units
+    header = (f"{'rank':>9}  {'units':>5}  {'coverage':>8}  " + (f"{'params held':>14}  {'trained':>14}" if backward
+              else f"{'params':>14}") + f"  {'of full':>7}  {'cost GFLOP':>10}")
+    if est:
+        header += f"  {'est. peak memory':>15}  {'bytes/step':>13}"
+    lines = [header]
+    if len(ranks) <= SHOWN_RANKS:
+        return lines + [_rank_line(row, full, est, held=full if backward else None) for row in ranks]
+    groups: dict[tuple, list[int]] = {}
+    for row in ranks:
+        key = (row["owned_units"], row["params_per_rank"], row["cost"], row.get("peak_memory_bytes"), row.get("bytes_per_step"))
+        groups.setdefault(key, []).append(row["rank"])
+    for members in groups.values():
+        label = f"{len(members)} ranks" if len(members) > 1 else str(members[0])
+        lines.append(_rank_line(ranks[members[0]], full, est, label, held=full if backward else None) + (f"   (ranks {members[0]}..{members[-1]})" if len(members) > 1 else ""))
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     counts = [len(u["owners"]) for u in report["units"]]
-    full = report["full_model_params"]
+    spec = ", ".join(f"{k} {v}" for k, v in report["data_spec"].items() if v)
+    cap = report.get("capacity") or []
     lines = [f"plan: masker {report['masker']}, {report['granularity']} level, {report['regime']} masking, "
-             f"coverage {report['coverage']:g}, {report['world_size']} ranks, digest {report['digest']}",
+             + (f"capacity per rank {cap}" if cap else f"coverage {report['coverage']:g}")
+             + f", {report['world_size']} ranks, digest {report['digest']}",
+             f"data shape: {spec or 'none'} (from the {report['data_source']})",
              ownership_table(report),
              f"owner counts: min {min(counts)}, max {max(counts)}, mean {sum(counts) / len(counts):.2f}; "
              f"{report['owner_sets']} distinct owner sets "
@@ -83,27 +187,17 @@ def format_report(report: dict[str, Any]) -> str:
              f"sync.max_groups={report['max_groups']})",
              f"rank graph: {report['components']} connected component(s); spectral gap {report['spectral_gap']:.4f}",
              GAP_NOTE, ""]
-    backward = report.get("regime") == "backward"
-    header = f"{'rank':>4}  {'units':>5}  " + (f"{'params held':>12}  {'trained':>12}" if backward else f"{'params':>12}") \
-        + f"  {'of full':>7}  {'cost GFLOP':>10}"
-    est = "peak_memory_bytes" in report["ranks"][0]
-    if est:
-        header += f"  {'est. peak memory':>16}  {'bytes/step':>12}"
-    lines.append(header)
-    for row in report["ranks"]:
-        held = f"{full:>12,}  " if backward else ""  # backward masking: every rank holds the full model
-        line = (f"{row['rank']:>4}  {row['owned_units']:>5}  {held}{row['params_per_rank']:>12,}  "
-                f"{row['params_per_rank'] / full:>7.1%}  {row['cost'] / 1e9:>10.3f}")
-        if est:
-            line += f"  {row['peak_memory_bytes'] / 2**20:>12.1f} MiB  {row['bytes_per_step'] / 2**20:>8.2f} MiB"
-        lines.append(line)
+    lines += rank_table(report)
+    lines.append(f"cost balance (mean / slowest rank's cost: every step waits for the slowest rank): "
+                 f"{report['cost_balance']:.3f}")
     if "fsdp_shard_size" in report:
         lines.append(f"fsdp.shard_size={report['fsdp_shard_size']}: ranks r*S..r*S+S-1 form replica r and shard "
                      "its subnetwork with FSDP2 (estimated params and memory: this rank's shards); the plan above is the replicas' plan, repeated for each shard")
-    if backward:
-        lines.append("backward masking: every rank holds the full model and runs its full forward; it trains "
-                     "(keeps gradients and optimizer state for) the parameters of its own units only")
-    if est:
-        lines.append("peak memory: tensors of one training step (dry run under FakeTensorMode); "
-                     "communication libraries' own buffers are not included")
+    if "peak_memory_bytes" in report["ranks"][0]:
+        lines.append(f"peak memory: tensors of one training step (dry run under FakeTensorMode, {report['dry_runs']} "
+                     "distinct subnetwork shape(s) dry-run); communication libraries' own buffers are not included")
+    if report.get("regime") == "backward":
+        lines.append(f"backward masking: every rank holds the full model ({report['full_model_params']:,} parameters) "
+                     "and runs its full forward; it trains (keeps gradients and optimizer state for) the parameters "
+                     "of its own units only (the params column)")
     return "\n".join(lines)

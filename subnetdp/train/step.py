@@ -52,7 +52,7 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
         last = micro == accum - 1
         with contextlib.nullcontext() if last else sync.no_sync():  # all but the last accumulate locally
             with autocast():
-                loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
+                loss = adapter.training_loss(model, batch) / accum
             loss_sum += loss.detach()
             if last:
                 guard.carry(sync, loss_sum)  # the loss's inf/NaN flag travels with the gradients

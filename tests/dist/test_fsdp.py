@@ -154,7 +154,7 @@ def _reference(cfg, replica: int) -> dict[str, torch.Tensor]:
                 parts = [next(it) for it in loaders]
                 batch = tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
                 with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                    (run.adapter.loss(model(run.adapter.inputs(batch)), batch) / accum).backward()
+                    (run.adapter.training_loss(model, batch) / accum).backward()
             averager.finish()
             averager.clip_grad_norm_(float(cfg.optim.clip_grad_norm))
             opt.step()

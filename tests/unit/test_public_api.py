@@ -86,7 +86,9 @@ FROZEN_API: dict[str, list[str]] = {
         "__init__(self, cfg: 'Any', seed: 'int' = 0) -> 'None'",
         "check(self) -> 'None'",
         "eval_loader(self, batch_size: 'int') -> 'Iterable[Any]'",
+        'example_batch(self, spec: \'DataSpec\', batch_size: \'int\') -> "tuple[\'torch.Tensor\', \'torch.Tensor\']"',
         "has_tokenizer(cls) -> 'bool'",
+        "planning_spec(self) -> 'tuple[DataSpec, str]'",
         "spec(self) -> 'DataSpec'",
         "tokenizer(self) -> 'Any'",
         'train_loader(self, rank: \'int\', world_size: \'int\', batch_size: \'int\') -> "\'ResumableLoader\'"',
@@ -149,7 +151,7 @@ FROZEN_API: dict[str, list[str]] = {
         'plan(self, partition: \'Partition\', world_size: \'int\', seed: \'int\') -> "\'MaskPlan\'"',
     ],
     'MaskerConfig': [
-        "__init__(self, name: 'str' = '???', granularity: 'str' = 'block', regime: 'str' = 'forward', coverage: 'float' = 0.5, min_owners: 'int' = 1, group_by: 'str' = 'auto', rescale: 'Optional[bool]' = None, units_per_layer: 'int' = 8, refresh_every: 'int' = 1, resample_every: 'int' = 0) -> None",
+        "__init__(self, name: 'str' = '???', granularity: 'str' = 'block', regime: 'str' = 'forward', coverage: 'float' = 0.5, min_owners: 'int' = 1, group_by: 'str' = 'auto', rescale: 'Optional[bool]' = None, units_per_layer: 'int' = 8, refresh_every: 'int' = 1, resample_every: 'int' = 0, capacity: 'list' = <factory>) -> None",
     ],
     'ModelAdapter': [
         'blocks(self, submodel: "\'nn.Module\'") -> "list[\'nn.Module\']"',
@@ -164,6 +166,7 @@ FROZEN_API: dict[str, list[str]] = {
         'reference_model(options: \'dict[str, Any]\') -> "\'nn.Module\'"',
         "reference_options(self, spec: 'DataSpec') -> 'Optional[dict[str, Any]]'",
         'reference_state_dict(self, model: "\'nn.Module\'") -> "dict[str, \'torch.Tensor\']"',
+        'training_loss(self, model: "\'nn.Module\'", batch: \'Any\') -> "\'torch.Tensor\'"',
     ],
     'ModelConfig': [
         "__init__(self, name: 'str' = '???', variant: 'str' = '') -> None",
@@ -255,6 +258,7 @@ FROZEN_CLI: dict[str, list[str]] = {
     ],
     'plan': [
         '--json',
+        '--memory',
         '--no-estimate',
         '--png',
         '--world-size/-n',

@@ -134,6 +134,10 @@ class CifarData(DataModule):
     def spec(self) -> DataSpec:
         return DataSpec(in_channels=3, image_size=int(self.cfg.image_size), num_classes=self.num_classes)
 
+    def planning_spec(self) -> tuple[DataSpec, str]:
+        where = "dataset" if self.folder.is_dir() else "config"
+        return self.spec(), f"{where} ({self.title}: {self.num_classes} classes; data.image_size)"
+
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedImageLoader:
         augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if self.cfg.augment else []
         dataset = SeededTransform(self._split(True), transforms.Compose(augment + self._tail()), self.seed)

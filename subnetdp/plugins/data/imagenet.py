@@ -38,6 +38,7 @@ class ImageNetConfig(VisionDataConfig):
     image_size: int = 224
     crop_ratio: float = 0.875
     min_scale: float = 0.08
+    num_classes: int = 1000  # what `subnetdp plan` assumes without the tree; training counts the class folders
 
 
 def _classes(folder: Path) -> list[str]:
@@ -103,6 +104,12 @@ class ImageNetData(DataModule):
         if self._class_names is None:
             self.check()
         return DataSpec(in_channels=3, image_size=int(self.cfg.image_size), num_classes=len(self._class_names or []))
+
+    def planning_spec(self) -> tuple[DataSpec, str]:
+        if _classes(self.root / "train"):
+            return self.spec(), f"dataset ({self.root}: class folders; data.image_size)"
+        return (DataSpec(in_channels=3, image_size=int(self.cfg.image_size), num_classes=int(self.cfg.num_classes)),
+                f"config ({self.root}/train not found: data.num_classes={int(self.cfg.num_classes)}, data.image_size)")
 
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedImageLoader:
         size = int(self.cfg.image_size)

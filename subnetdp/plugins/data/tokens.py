@@ -230,6 +230,23 @@ class TokensData(DataModule):
             return make_tokenizer("bpe", tokenizer_file=str(path))
         return None
 
+    def planning_spec(self) -> tuple[DataSpec, str]:
+        """Vocabulary from ``data.vocab_size``, else ``meta.json`` beside the shards when they exist,
+        else the standard-library tokenizer's (``root=stdlib``); 0 (the model's default) otherwise."""
+        seq = int(self.cfg.seq_len)
+        if int(self.cfg.vocab_size):
+            return DataSpec(vocab_size=int(self.cfg.vocab_size), seq_len=seq), "config (data.vocab_size, data.seq_len)"
+        root = str(self.cfg.root)
+        if root in ("", "stdlib"):
+            vocab = 257 if self.cfg.tokenizer == "bytes" else int(self.cfg.bpe_vocab_size)
+            return (DataSpec(vocab_size=vocab, seq_len=seq),
+                    f"config (data.root=stdlib, data.tokenizer={self.cfg.tokenizer}: vocabulary {vocab}; data.seq_len)")
+        meta = Path(root).expanduser() / "meta.json"
+        if meta.is_file():
+            return self.spec(), f"dataset ({meta}: vocabulary; data.seq_len)"
+        return (DataSpec(vocab_size=0, seq_len=seq),
+                f"config ({root} has no meta.json: the model's default vocabulary; data.seq_len)")
+
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> TokenLoader:
         return TokenLoader(self._windows("train"), rank, world_size, batch_size, self.seed, bool(self.cfg.shuffle))
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from subnetdp.core.contracts import Masker, MaskerConfig, Partition
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import MaskPlan, group_units, units_kept
+from subnetdp.core.plan import MaskPlan, group_units, rank_coverages, units_kept
 
 
 def group_rng(seed: int, group: str) -> np.random.Generator:
@@ -30,14 +30,15 @@ class RandomMasker(Masker):
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
         owned: list[list[int]] = [[] for _ in range(world_size)]
+        coverages = rank_coverages(self.cfg, world_size)
         for name, ids in group_units(partition, self.cfg.group_by).items():
             rng = group_rng(seed, name)
             k = len(ids)
-            n = units_kept(float(self.cfg.coverage), k)
+            n = [units_kept(c, k) for c in coverages]  # masker.capacity: one coverage per rank
             counts = np.zeros(k)
             for r in rng.permutation(world_size):
                 order = np.lexsort((rng.random(k), counts))  # fewest owners first, random ties
-                chosen = np.sort(order[:n])
+                chosen = np.sort(order[:n[int(r)]])
                 counts[chosen] += 1
                 owned[int(r)].extend(ids[int(i)] for i in chosen)
         return MaskPlan(world_size, owned, len(partition.units))

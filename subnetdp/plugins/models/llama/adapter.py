@@ -44,6 +44,7 @@ from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import assemble_partition, identity_param_map, make_block_unit
 from subnetdp.plugins.models.llama.neurons import materialize_neurons, neuron_partition
+from subnetdp.plugins.models._lm_loss import chunked_cross_entropy
 
 DEFAULT_VOCAB = 32_000
 
@@ -176,11 +177,15 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
+        """Logits ``(B, T, V)``; with ``targets`` and ``loss_chunk > 0``, the mean next-token cross
+        entropy instead, with the head computed ``loss_chunk`` tokens at a time (no full logits)."""
         cos, sin = rotary_tables(tokens.shape[1], self.args.head_dim, self.args.rope_theta, tokens.device)
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():  # a subnetwork holds only its own blocks
             h = block(h, cos, sin)
+        if targets is not None and loss_chunk > 0:
+            return chunked_cross_entropy(self.norm(h), self.output.weight, targets, loss_chunk)
         return self.output(self.norm(h))
 
 
@@ -191,6 +196,9 @@ class LlamaConfig(ModelConfig):
     tie_embeddings: Optional[bool] = None  # None: the variant's choice
     rope_theta: float = 10_000.0
     init_std: float = 0.02
+    # Tokens per chunk of the head and cross entropy in training (the full logits never exist);
+    # 0: the plain path, all logits at once.
+    loss_chunk: int = 1024
 
 
 class LlamaAdapter(ModelAdapter):
@@ -207,6 +215,9 @@ class LlamaAdapter(ModelAdapter):
         if cfg.variant not in VARIANTS:
             raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
                               + suggest(cfg.variant, VARIANTS))
+        if cfg.loss_chunk < 0:
+            raise ConfigError("model.loss_chunk", cfg.loss_chunk, "must be >= 0",
+                              "0 computes all logits at once; e.g. 1024 tokens per chunk")
         if cfg.vocab_size < 0:
             raise ConfigError("model.vocab_size", cfg.vocab_size, "must be >= 0", "0 takes the data's vocabulary")
 
@@ -285,6 +296,15 @@ class LlamaAdapter(ModelAdapter):
 
     def inputs(self, batch: Any) -> torch.Tensor:
         return batch[0]
+
+    def training_loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch; with ``model.loss_chunk > 0`` the head and cross entropy run
+        inside the model's forward in chunks (:mod:`~subnetdp.plugins.models._lm_loss`), so FSDP's
+        hooks around the root module see the head's use of its weight."""
+        chunk = int(self.cfg.loss_chunk)
+        if chunk <= 0:
+            return super().training_loss(model, batch)
+        return model(batch[0], targets=batch[1], loss_chunk=chunk)
 
     def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
         """Next-token cross entropy: ``batch = (tokens, targets)`` with targets shifted by one."""

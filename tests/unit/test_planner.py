@@ -1,0 +1,101 @@
+"""``subnetdp plan`` from the data's shape, the memory-budget search, and heterogeneous capacities."""
+
+from __future__ import annotations
+
+import pytest
+
+from subnetdp.cli import main
+from subnetdp.train.budget import budget_search, parse_memory
+from subnetdp.core.config import compose, config_root
+from subnetdp.core.errors import ConfigError, SubnetdpError
+from subnetdp.train.loop import build_plan
+from subnetdp.train.planreport import plan_report, shape_plan
+from tests.helpers import plugin_manager, small_config
+
+RECIPES = sorted(p.stem for p in (config_root() / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_plan_needs_no_dataset_on_disk(recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ folder, no runs/data cache: nothing on disk
+    pm = plugin_manager()
+    cfg = compose(recipe, ["data.root=" + str(tmp_path / "absent")] if "stdlib" not in recipe else [], pm.registries)
+    report = plan_report(cfg, 8, pm, estimate=False)
+    assert report["data_source"].startswith("config"), report["data_source"]
+    assert report["world_size"] == 8 and len(report["owned"]) == 8
+    assert not any(tmp_path.iterdir())  # and nothing was written (the stdlib corpus is not built)
+
+
+def test_shape_plan_is_the_training_plan_when_the_data_exists(tmp_path):
+    cfg = small_config("masker.coverage=0.5")  # digits: the data ships with scikit-learn
+    pm = plugin_manager()
+    _, spec, _, _, partition, plan = build_plan(cfg, 4, pm)
+    _, spec2, source, _, partition2, plan2 = shape_plan(cfg, 4, pm)
+    assert spec2 == spec and plan2.digest() == plan.digest()
+    assert [(u.name, u.cost, u.slices) for u in partition2.units] == [(u.name, u.cost, u.slices) for u in partition.units]
+
+
+def test_parse_memory():
+    assert parse_memory("24GiB", 3) == [24 * 2**30] * 3
+    assert parse_memory("80GiB,80GiB,24GB,512MiB", 4) == [80 * 2**30, 80 * 2**30, 24 * 10**9, 512 * 2**20]
+    with pytest.raises(SubnetdpError, match="--memory"):
+        parse_memory("24GiB,24GiB", 3)
+    with pytest.raises(SubnetdpError, match="--memory"):
+        parse_memory("lots", 3)
+
+
+def _tiny(*overrides: str):
+    return small_config("train.batch_size=2", "data.seq_len=32", *overrides, recipe="llama_tiny_stdlib")
+
+
+def _peak(coverage: float) -> int:
+    return max(r["peak_memory_bytes"] for r in plan_report(_tiny(f"masker.coverage={coverage}"), 4, plugin_manager())["ranks"])
+
+
+def test_budget_search_uniform_and_per_rank():
+    pm = plugin_manager()
+    cfg = _tiny()
+    full, half, quarter = _peak(1.0), _peak(0.5), _peak(0.25)
+    assert full > half > quarter
+    budget = (full + half) // 2  # between the peaks of 2 and 4 of the 4 blocks
+    result = budget_search(cfg, 4, pm, [budget] * 4)
+    assert result["fits"] and result["max_peak_bytes"] <= budget
+    assert result["coverage"] in (0.5, 0.75) and result["next_max_peak_bytes"] > budget
+    if result["coverage"] == 0.5:
+        assert result["max_peak_bytes"] == half  # the plan's own estimate for that coverage
+    # Too small for any coverage: it says what would fit, each answer within the budget.
+    small = budget_search(cfg, 4, pm, [quarter - 1] * 4)
+    assert not small["fits"] and small["would_fit"], small
+    assert all(a["max_peak_bytes"] < quarter for a in small["would_fit"])
+
+    # One budget per rank: the probe plan (one rank at the candidate coverage, the others whole)
+    # buckets a rank's gradients by other owner sets than the uniform plan, so leave a little room.
+    room = (half - quarter) // 4
+    budgets = [full, full, half + room, quarter + room]
+    het = budget_search(cfg, 4, pm, budgets)
+    assert het["fits"], het
+    assert het["capacity"] == [1.0, 1.0, 0.5, 0.25]
+    report = het["report"]
+    assert [row["coverage"] for row in report["ranks"]] == het["capacity"]
+    assert all(row["peak_memory_bytes"] <= b for row, b in zip(report["ranks"], budgets))
+    assert min(len(u["owners"]) for u in report["units"]) >= 1
+    costs = [row["cost"] for row in report["ranks"]]
+    assert report["cost_balance"] == pytest.approx(sum(costs) / len(costs) / max(costs)) and report["cost_balance"] < 1
+
+
+def test_capacity_plans_keep_every_unit_owned_and_are_checked_by_name():
+    pm = plugin_manager()
+    for masker in ("cyclic", "random"):
+        _, _, _, _, partition, plan = shape_plan(_tiny(f"masker.name={masker}", "masker.capacity=[0.75,0.5,0.25]"), 3, pm)
+        assert [len(o) for o in plan.owned] == [3, 2, 1] and min(plan.owner_counts()) >= 1
+    # Equal capacities are the plain plan.
+    a = shape_plan(_tiny("masker.capacity=[0.5,0.5,0.5,0.5]"), 4, pm)[-1]
+    b = shape_plan(_tiny("masker.coverage=0.5"), 4, pm)[-1]
+    assert a.digest() == b.digest()
+    with pytest.raises(ConfigError, match="masker.capacity"):
+        shape_plan(_tiny("masker.capacity=[0.5,0.5]"), 3, pm)
+    with pytest.raises(ConfigError, match="masker.capacity"):
+        _tiny("masker.capacity=[0.5,1.5]")
+    with pytest.raises(ConfigError, match="masker.capacity"):
+        _tiny("masker.name=balanced", "masker.capacity=[0.5,0.5]")
+    assert main(["plan", "llama_tiny_stdlib", "-n", "3", "masker.capacity=[0.5,2]"]) == 2
