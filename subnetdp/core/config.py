@@ -55,6 +55,8 @@ class TrainConfig:
     memory_step: int = 2
     progress: bool = True
     on_nonfinite: str = "stop"
+    # Every N steps: cosine of SDP's averaged gradient with the full-batch DDP gradient (0 = off).
+    grad_alignment_every: int = 0
 
 
 @dataclass
@@ -63,6 +65,12 @@ class EvalConfig:
     batches: int = 0
     batch_size: int = 256
     bn_recalibrate_batches: int = 20
+    # Block-level forward masking: the union model's residual branches at x1, or each scaled by its
+    # training keep rate k(u)/W (the stochastic-depth rule; docs/evidence.md says why it is the default).
+    block_union: str = "rescaled"
+    # At the last step, also evaluate the union at x1 and rescaled and every rank's own subnetwork on
+    # the same validation batches (block-level forward masking; summary.json "eval_union").
+    breakdown: bool = False
 
 
 @dataclass
@@ -122,6 +130,7 @@ CHOICES = {
     "train.compile_backend": ("inductor", "aot_eager", "eager"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.on_nonfinite": ("stop", "skip"),
+    "eval.block_union": ("rescaled", "x1"),
 }
 
 
@@ -323,12 +332,31 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
     _check_checkpoint_keys(cfg)
     _check_fsdp(cfg)
+    _check_range(cfg, "train.grad_alignment_every", 0, None, fix="0 turns the probe off")
+    if int(cfg.train.grad_alignment_every) and int(cfg.fsdp.shard_size) > 1:
+        raise ConfigError("train.grad_alignment_every", int(cfg.train.grad_alignment_every),
+                          f"the probe needs whole gradients, and fsdp.shard_size={int(cfg.fsdp.shard_size)} shards them",
+                          "use fsdp.shard_size=1 for the probe, or train.grad_alignment_every=0")
     adapter = registries["model"].get(cfg.model.name)
+    _check_regularizers(cfg, adapter)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
+
+
+def _check_regularizers(cfg: DictConfig, adapter: Any) -> None:
+    """``model.stochastic_depth`` / ``model.hidden_dropout``: drop probabilities in [0, 1) that the
+    model adapter implements."""
+    for key in ("stochastic_depth", "hidden_dropout"):
+        value = OmegaConf.select(cfg, f"model.{key}", default=0.0) or 0.0
+        if not 0.0 <= float(value) < 1.0:
+            raise ConfigError(f"model.{key}", value, "is a drop probability and must be in [0, 1)",
+                              f"use e.g. model.{key}=0.5 for a keep rate of 0.5 (0 turns it off)")
+        if value and key not in getattr(adapter, "regularizers", ()):
+            raise ConfigError(f"model.{key}", value, f"model '{cfg.model.name}' does not implement it",
+                              f"set model.{key}=0")
 
 
 def _check_checkpoint_keys(cfg: DictConfig) -> None:

@@ -23,7 +23,8 @@ from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.resume import Checkpointer
 from subnetdp.core.sync import OwnerGroupAverager, clip_to
-from subnetdp.core.union import assemble_union, evaluate
+from subnetdp.core.branches import fold_branch_scales
+from subnetdp.core.union import assemble_union, branch_keep_rates, evaluate
 from subnetdp.core.variants import is_backward, local_model, partition_model
 
 
@@ -47,6 +48,8 @@ class Run:
     parallel: Any = None  # subnetdp.parallel.apply.Parallelism
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_union: dict[str, Any] = field(default_factory=dict)  # how the union was evaluated (summary.json)
+    alignment: list[dict[str, float]] = field(default_factory=list)  # train.grad_alignment_every
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -227,8 +230,12 @@ def _train(run: Run, pm: PluginManager) -> None:
             before, before_wire = comm.bytes.total(), comm.bytes.ring_estimate()
             before_groups = dict(comm.bytes.by_group)
             step_loss = torch.zeros((), device=device)
+            align = _probe_due(cfg, step, measure)
+            step_batches = []
             for micro in range(accum):
                 batch = _to_device(next(batches), device)
+                if align:
+                    step_batches.append(batch)
                 with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                     with run.parallel.autocast():
                         loss = adapter.loss(model(adapter.inputs(batch)), batch) / accum
@@ -241,6 +248,8 @@ def _train(run: Run, pm: PluginManager) -> None:
             wire += comm.bytes.ring_estimate() - before_wire
             for g, n in comm.bytes.by_group.items():
                 group_bytes[g] = group_bytes.get(g, 0) + n - before_groups.get(g, 0)
+            if align:  # collective: every rank reaches the probe on the same steps
+                t0 += _align(run, log, step, step_batches)  # neither its time nor its bytes are the step's
             log_step = step % int(cfg.train.log_every) == 0 or step == steps
             clip = float(cfg.optim.clip_grad_norm)
             # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite),
@@ -347,19 +356,75 @@ def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple:
     return run.model, run.optimizer, scheduler, run.averager, _refresher(run)
 
 
-def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
-    """Assemble the union model on rank 0 and evaluate it there. Collective."""
+def _probe_due(cfg: DictConfig, step: int, measured: bool) -> bool:
+    """``train.grad_alignment_every``: probe on its multiples, but not on the memory-measured step."""
+    every = int(cfg.train.grad_alignment_every)
+    return bool(every) and step % every == 0 and not measured
+
+
+def _align(run: Run, log: RunLogger, step: int, batches: list) -> float:
+    """Run the gradient-alignment probe; log it on rank 0. Collective. Returns its duration."""
+    from subnetdp.core.alignment import gradient_alignment
+
+    t0 = time.perf_counter()
     saved = dict(run.comm.bytes.by_group)
+    result = gradient_alignment(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan, run.model,
+                                run.pmap, run.comm, batches)
+    run.comm.bytes.by_group = saved  # the probe's traffic is not a training step's
+    if result is not None:
+        run.alignment.append({"step": step, **result})
+        log.scalars(step, {f"probe/grad_{k}": v for k, v in result.items()})
+        log.jsonl({"step": step, **{f"probe/grad_{k}": v for k, v in result.items()}})
+    return time.perf_counter() - t0
+
+
+def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
+    """Assemble the union model on rank 0 and evaluate it there. Collective.
+
+    Block-level forward masking with ``eval.block_union=rescaled``: every residual branch is scaled
+    by its training keep rate first. With ``eval.breakdown``, the last evaluation also reports the
+    union at x1 and rescaled and every rank's own subnetwork, on the same validation batches.
+    """
+    cfg = run.cfg
+    saved = dict(run.comm.bytes.by_group)
+    block_forward = run.partition.granularity == "block" and not is_backward(cfg.masker)
+    breakdown = bool(cfg.eval.breakdown) and block_forward and step == int(cfg.train.steps) and not run.parallel.sharded
+    own = _own_subnetworks(run) if breakdown else None  # collective: every rank evaluates its own
     with run.parallel.gathered():  # collective when sharded: full parameters for the assembly
-        union = assemble_union(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
+        union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan,
                                run.model, run.pmap, run.comm)
     run.comm.bytes.by_group = saved  # evaluation traffic is not a training step's
     if union is None:
         return {}
-    metrics = evaluate(union, run.adapter, run.data, run.cfg)
+    rates = branch_keep_rates(run.partition, run.plan) if block_forward else {}
+    mode = str(cfg.eval.block_union)
+    run.eval_union = {"block_union": mode, "rescaled": bool(rates) and mode == "rescaled",
+                      "branch_keep_rates": rates}
+    if breakdown:
+        x1 = evaluate(union, run.adapter, run.data, cfg)
+        fold_branch_scales(run.adapter.branch_output_layers(union), rates)
+        rescaled = evaluate(union, run.adapter, run.data, cfg)
+        metrics = rescaled if mode == "rescaled" else x1
+        run.eval_union.update({"step": step, "union_x1": x1, "union_rescaled": rescaled, "own_subnetworks": own})
+        log.jsonl({"step": step, "eval_union": run.eval_union})
+    else:
+        if run.eval_union["rescaled"]:
+            fold_branch_scales(run.adapter.branch_output_layers(union), rates)
+        metrics = evaluate(union, run.adapter, run.data, cfg)
     log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
     log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
     return metrics
+
+
+def _own_subnetworks(run: Run) -> list[dict[str, Any]]:
+    """Every rank's own subnetwork, evaluated on the validation batches. Collective."""
+    import copy
+
+    mine = {"rank": run.rank, "owned": run.plan.owned[run.rank],
+            "metrics": evaluate(copy.deepcopy(run.model), run.adapter, run.data, run.cfg)}
+    run.model.train()
+    # collective: every rank reaches this at the last evaluation.
+    return run.comm.all_gather_object(mine)
 
 
 def _write_start(run: Run, log: RunLogger) -> None:
@@ -398,6 +463,7 @@ def _summarise(run: Run, step_times: list[float], bytes_per_step: float, wire_pe
     # collective: every rank reaches this once, after the last step.
     ranks = run.comm.all_gather_object(mine)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
+               "eval_union": run.eval_union, "grad_alignment": run.alignment,
                "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
                "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
                "ranks": ranks}
