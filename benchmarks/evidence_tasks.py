@@ -36,7 +36,9 @@ class Task:
         world_size: local gloo workers (``launch.nproc``).
         steps: DDP's number of iterations in the full study.
         quick_steps: the same in ``--quick``.
-        eval_every: validation interval of the full study (the curves).
+        eval_every: validation interval of the full study (the curves); FLOP-matched runs, which
+            take more steps, validate proportionally less often per step, at the same compute.
+        quick_eval_every: the same in ``--quick``.
     """
 
     name: str
@@ -48,6 +50,7 @@ class Task:
     steps: int
     quick_steps: int
     eval_every: int
+    quick_eval_every: int = 0
     description: str = ""
     coverages: tuple[float, ...] = field(default=(0.5,))
 
@@ -67,8 +70,8 @@ LLAMA8 = Task(
     overrides=("model.dim=128", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
                "model.hidden_dim=352", "data.tokenizer=bpe", "data.bpe_vocab_size=4096", "data.seq_len=256",
                "data.stdlib_max_mb=4.0", "train.batch_size=2", "optim.lr=3.0e-3", "optim.warmup_steps=10",
-               "eval.batches=16", "eval.batch_size=16", "launch.threads_per_rank=1"),
-    metric="loss", higher_is_better=False, world_size=4, steps=120, quick_steps=16, eval_every=20,
+               "eval.batches=4", "eval.batch_size=16", "launch.threads_per_rank=1"),
+    metric="loss", higher_is_better=False, world_size=4, steps=80, quick_steps=8, eval_every=20, quick_eval_every=4,
     description="LLaMA, 8 blocks x width 128 (4 heads, 2 KV heads, SwiGLU 352), BPE 4,096 on the Python "
                 "standard library, sequence 256, 4 workers x 2 sequences, AdamW 3e-3 cosine",
 )
@@ -76,10 +79,10 @@ LLAMA8 = Task(
 RESNET18 = Task(
     name="resnet18",
     recipe="resnet18_digits",
-    overrides=("data.image_size=32", "train.batch_size=8", "optim.lr=0.05", "optim.warmup_steps=5",
-               "eval.bn_recalibrate_batches=10", "eval.batch_size=120", "launch.threads_per_rank=1"),
-    metric="accuracy", higher_is_better=True, world_size=4, steps=60, quick_steps=8, eval_every=20,
-    description="ResNet-18 (CIFAR stem) on digits at 32 x 32, 4 workers x 8 images, SGD 0.05 momentum 0.9 cosine",
+    overrides=("data.image_size=32", "train.batch_size=4", "optim.lr=0.05", "optim.warmup_steps=5",
+               "eval.bn_recalibrate_batches=10", "eval.batch_size=120", "eval.batches=2", "launch.threads_per_rank=1"),
+    metric="accuracy", higher_is_better=True, world_size=4, steps=30, quick_steps=6, eval_every=15, quick_eval_every=3,
+    description="ResNet-18 (CIFAR stem) on digits at 32 x 32, 4 workers x 4 images, SGD 0.05 momentum 0.9 cosine",
 )
 
 TASKS: dict[str, Task] = {t.name: t for t in (LLAMA8, RESNET18)}
