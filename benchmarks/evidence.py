@@ -166,6 +166,9 @@ def run_study(args: argparse.Namespace) -> None:
     seeds = SEEDS[:1] if args.quick else tuple(args.seeds)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "quick": args.quick, "seeds": list(seeds),
             "coverage": C, "platform": platform.platform(), "cpus": os.cpu_count(), "argv": sys.argv[1:]}
+    meta_path = out / "meta.json"
+    old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta_path.write_text(json.dumps({**meta, "wall_s_total": old.get("wall_s_total", 0.0), "finished": False}, indent=1))
     t_start = time.perf_counter()
     for tname in args.tasks:
         task = TASKS[tname]
@@ -193,8 +196,7 @@ def run_study(args: argparse.Namespace) -> None:
             run_one(task, row, 0, MEMORY_STEPS, out, {"forward": 1.0, "train_step": float("nan")}, args.fresh)
             print(f"{task.name:9} {row:8} (memory and bytes, {MEMORY_STEPS} steps)", flush=True)
     meta["wall_s"] = time.perf_counter() - t_start
-    meta_path = out / "meta.json"
-    old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta["finished"] = True
     meta["wall_s_total"] = meta["wall_s"] + (old.get("wall_s_total", 0.0) if not args.fresh else 0.0)
     meta_path.write_text(json.dumps(meta, indent=1))
 

@@ -248,7 +248,8 @@ def write_report(folder: Path, docs: Path | None = None) -> str:
     body = [f"Results folder: `{folder}`; " + (f"{'--quick' if meta.get('quick') else 'full study'}, seeds "
             f"{meta.get('seeds')}, started {meta.get('started')}, wall time of the last invocation "
             f"{meta.get('wall_s', float('nan')) / 60:.1f} min (all invocations {meta.get('wall_s_total', float('nan')) / 60:.1f} min), "
-            f"{meta.get('cpus')} CPUs." if meta else ""), ""]
+            f"{meta.get('cpus')} CPUs." if meta else "")
+            + ("" if meta.get("finished", True) else " **Incomplete: the study was still running when this report was made.**"), ""]
     summs, aligns, ver, brk, ali = {}, {}, [], [], []
     for task_name, rows in data.items():
         lines, summ = task_tables(task_name, rows)
