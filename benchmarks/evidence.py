@@ -85,7 +85,7 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     full_fwd = full_train = None
     for row in ["DDP"] + [r for r in rows if r != "DDP"]:
-        cfg = compose(task.recipe, task.overrides_for(1, row_overrides(row, task) + ["data.cache_dir=" + _CACHE[0]]),
+        cfg = compose(task.recipe, task.overrides_for(1, row_overrides(row, task) + _cache(task)),
                       pm.registries)
         data, spec, adapter, full, partition, plan = _build_plan(cfg, task.world_size, pm)
         fwd, train = [], []
@@ -110,6 +110,10 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
 _CACHE = [""]  # data.cache_dir shared by every run of one invocation
 
 
+def _cache(task: Task) -> list[str]:
+    return [f"data.cache_dir={_CACHE[0]}"] if task.data_cache else []
+
+
 def run_one(task: Task, row: str, seed: int, steps: int, out: Path, flop: dict[str, float], fresh: bool,
             quick: bool = False) -> dict:
     """One ``subnetdp train`` run; its JSON record (read back from the run directory)."""
@@ -122,7 +126,7 @@ def run_one(task: Task, row: str, seed: int, steps: int, out: Path, flop: dict[s
     base_steps, every = (task.quick_steps, task.quick_eval_every) if quick else (task.steps, task.eval_every)
     eval_every = 0 if memory_only else max(1, round(every * steps / base_steps))
     extra = [*row_overrides(row, task), f"seed={seed}", f"run.dir={out / 'rundirs'}", f"run.name={name}",
-             f"data.cache_dir={_CACHE[0]}", "train.progress=false", "checkpoint.enabled=false", "run.tensorboard=false",
+             *_cache(task), "train.progress=false", "checkpoint.enabled=false", "run.tensorboard=false",
              f"eval.every={eval_every}", f"train.log_every={max(1, eval_every or steps)}"]
     if base in ("B-SDP",):
         extra.append("eval.breakdown=true")

@@ -52,6 +52,7 @@ class Task:
     eval_every: int
     quick_eval_every: int = 0
     description: str = ""
+    data_cache: bool = False  # the data module takes data.cache_dir (the token corpus is built there once)
     coverages: tuple[float, ...] = field(default=(0.5,))
 
     def overrides_for(self, steps: int, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -71,7 +72,7 @@ LLAMA8 = Task(
                "model.hidden_dim=352", "data.tokenizer=bpe", "data.bpe_vocab_size=4096", "data.seq_len=256",
                "data.stdlib_max_mb=4.0", "train.batch_size=2", "optim.lr=3.0e-3", "optim.warmup_steps=10",
                "eval.batches=4", "eval.batch_size=16", "launch.threads_per_rank=1"),
-    metric="loss", higher_is_better=False, world_size=4, steps=80, quick_steps=8, eval_every=20, quick_eval_every=4,
+    metric="loss", higher_is_better=False, data_cache=True, world_size=4, steps=80, quick_steps=8, eval_every=20, quick_eval_every=4,
     description="LLaMA, 8 blocks x width 128 (4 heads, 2 KV heads, SwiGLU 352), BPE 4,096 on the Python "
                 "standard library, sequence 256, 4 workers x 2 sequences, AdamW 3e-3 cosine",
 )
