@@ -69,7 +69,7 @@ def compare(a: dict, b: dict, higher: bool) -> tuple[str, float, float]:
     """(verdict, signed advantage of a over b, standard error); advantage > 0 means a is better."""
     d = (a["mean"] - b["mean"]) * (1 if higher else -1)
     if a["n"] < 2 or b["n"] < 2:
-        return ("indicative only (one seed, no error bar): " + ("a is better" if d >= 0 else "a is worse")), d, float("nan")
+        return ("indicative only (one seed, no error bar): " + ("better" if d >= 0 else "worse")), d, float("nan")
     se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"])
     if d >= 0:
         return "held (better)" if d > 2 * se else "held (within 2 standard errors)", d, se
@@ -140,6 +140,7 @@ def verdicts(task_name: str, summ: dict[str, dict], align: dict[str, float], row
             v, d, se = compare(summ[a], summ[b], hib)
             se_s = "" if math.isnan(se) else f", standard error {se:.4f}"
             lines.append(f"- {text}: **{v}** ({a} {summ[a]['mean']:.4f} vs {b} {summ[b]['mean']:.4f}, "
+                         f"{task.metric}, "
                          f"advantage {d:+.4f}{se_s})")
 
     for v in ("B-SDP", "N-SDP", "Bb-SDP", "Nb-SDP"):
@@ -182,8 +183,8 @@ def verdicts(task_name: str, summ: dict[str, dict], align: dict[str, float], row
         sc = _stats([r["eval_union"]["union_rescaled"][task.metric] for r in recs])
         a, b = {"mean": sc[0], "std": sc[1], "n": sc[2]}, {"mean": x1[0], "std": x1[1], "n": x1[2]}
         v, d, se = compare(a, b, hib)
-        lines.append(f"- The rescaled block-level union is at least as good as the union at x1: **{v}** "
-                     f"({sc[0]:.4f} vs {x1[0]:.4f})")
+        lines.append(f"- The rescaled block-level union is at least as good as the union at x1 (B-SDP): **{v}** "
+                     f"(rescaled {sc[0]:.4f} vs x1 {x1[0]:.4f}, {task.metric})")
     lines.append("")
     return lines
 
