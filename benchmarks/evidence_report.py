@@ -69,7 +69,7 @@ def compare(a: dict, b: dict, higher: bool) -> tuple[str, float, float]:
     """(verdict, signed advantage of a over b, standard error); advantage > 0 means a is better."""
     d = (a["mean"] - b["mean"]) * (1 if higher else -1)
     if a["n"] < 2 or b["n"] < 2:
-        return ("indicative only (one seed, no error bar): " + ("better" if d >= 0 else "worse")), d, float("nan")
+        return ("indicative only (one seed, no error bar): " + ("better" if d > 0 else "equal" if d == 0 else "worse")), d, float("nan")
     se = math.sqrt(a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"])
     if d >= 0:
         return "held (better)" if d > 2 * se else "held (within 2 standard errors)", d, se
@@ -158,7 +158,7 @@ def verdicts(task_name: str, summ: dict[str, dict], align: dict[str, float], row
     if mem:
         lines.append("- Peak memory per rank below DDP's (measured, tensors only): "
                      + ", ".join(f"{v} x{r:.2f}" for v, r in mem) + " — **"
-                     + ("held" if all(r < 1 for v, r in mem if "SDP" in v and not v.startswith("F")) else "did not hold")
+                     + ("held" if all(r < 0.99 for v, r in mem if "SDP" in v and not v.startswith("F")) else "did not hold for every variant")
                      + "** for the SDP variants")
     byt = [(v, summ[v]["bytes"] / ddp["bytes"]) for v in ("B-SDP", "N-SDP", "Bb-SDP", "Nb-SDP") if v in summ and ddp["bytes"]]
     if byt:
