@@ -11,7 +11,9 @@ Everything here runs in one process, without a process group::
 The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run: each
 unit's parameters from ``min(owners)`` (per ``plan.json``), float buffers averaged among the owners,
 integer buffers from ``min(owners)``; shared tensors from rank 0, shared float buffers averaged over
-all ranks. Export then recalibrates BatchNorm statistics on ``eval.bn_recalibrate_batches`` training
+all ranks. With block-level forward masking and ``eval.block_union=rescaled`` (the default) each
+residual branch is then scaled by its training keep rate, folded into the branch's last affine
+layer, as the in-run evaluation does (``reference.json`` lists the scales). Export then recalibrates BatchNorm statistics on ``eval.bn_recalibrate_batches`` training
 batches, as the in-run evaluation does, so the exported model scores the run's metric exactly.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,7 +33,8 @@ from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSli
 from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.core.plugins import PluginManager
-from subnetdp.sdp.union import evaluate, recalibrate_batchnorm
+from subnetdp.core.branches import fold_branch_scales
+from subnetdp.sdp.union import evaluate, recalibrate_batchnorm, union_branch_scales
 
 EXPORT_FORMAT = "subnetdp-export/1"
 
@@ -46,6 +49,7 @@ class LoadedUnion:
     spec: DataSpec
     manifest: dict[str, Any]
     path: Path
+    branch_scales: dict[str, float] = field(default_factory=dict)  # folded in (eval.block_union=rescaled)
 
 
 def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Sequence[str] = ()) -> Any:
@@ -181,7 +185,10 @@ def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence
         fill(TensorSlice(name), world, average=False)
     for name in partition.shared_buffers:
         fill(TensorSlice(name), world, average=partition.dtypes[name].is_floating_point)
-    return LoadedUnion(model, cfg, adapter, spec, manifest, ckpt)
+    # eval.block_union=rescaled: the union the run evaluated, with each branch x its keep rate.
+    scales = union_branch_scales(cfg, partition, plan)
+    fold_branch_scales(adapter.branch_output_layers(model), scales)
+    return LoadedUnion(model, cfg, adapter, spec, manifest, ckpt, scales)
 
 
 def evaluate_checkpoint(path: str | Path, pm: PluginManager | None = None,
@@ -240,7 +247,7 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
     ck.write_atomic(out / "model.safetensors", lambda p: save_file(state, str(p), metadata=meta))
     info = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "options": options,
             "checkpoint": str(loaded.path), "run_id": loaded.manifest["run_id"], "step": loaded.manifest["step"],
-            "bn_recalibrated_batches": n_cal,
+            "bn_recalibrated_batches": n_cal, "branch_scales_folded": loaded.branch_scales,
             "rebuild": "subnetdp.export.load_reference(OUT), or the plugin's reference_model(options) "
                        "then load_state_dict(safetensors.torch.load_file(OUT/model.safetensors))"}
     ck.write_text_atomic(out / "reference.json", json.dumps(info, indent=2))

@@ -68,6 +68,7 @@ class TrainConfig:
     memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured", 2)
     progress: bool = doc('progress bar on rank 0', True)
     on_nonfinite: str = doc('stop or skip: what an inf/NaN loss or gradient does', "stop")
+    grad_alignment_every: int = doc("every N steps: cosine of SDP's averaged gradient with the full-batch DDP gradient (0 = off)", 0)
 
 
 @dataclass
@@ -84,6 +85,8 @@ class EvalConfig:
     num_fewshot: Optional[int] = doc("few-shot examples per task (empty: each task's own)", None)
     task_batch_size: int = doc('batch size of the lm-eval requests', 16)
     offline: bool = doc('never download task data: the datasets cache and local files only', False)
+    block_union: str = doc('block-level forward masking: the union evaluated with each residual branch x its training keep rate k(u)/W (rescaled) or as it is (x1); docs/evidence.md', "rescaled")
+    breakdown: bool = doc("at the last step also evaluate the union at x1 and rescaled and every rank's own subnetwork (summary.json eval_union)", False)
 
 
 @dataclass
@@ -186,6 +189,7 @@ CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "train.on_nonfinite": ("stop", "skip"),
     "sync.mode": ("every_step", "local_steps"),
+    "eval.block_union": ("rescaled", "x1"),
 }
 
 
@@ -467,7 +471,13 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     _check_fsdp(cfg, registries["comm"].get(cfg.comm.name))
     _check_local_steps(cfg)
     _check_eval_tasks(cfg, registries)
+    _check_range(cfg, "train.grad_alignment_every", 0, None, fix="0 turns the probe off")
+    if int(cfg.train.grad_alignment_every) and int(cfg.fsdp.shard_size) > 1:
+        raise ConfigError("train.grad_alignment_every", int(cfg.train.grad_alignment_every),
+                          f"the probe needs whole gradients, and fsdp.shard_size={int(cfg.fsdp.shard_size)} shards them",
+                          "use fsdp.shard_size=1 for the probe, or train.grad_alignment_every=0")
     adapter = registries["model"].get(cfg.model.name)
+    _check_regularizers(cfg, adapter)
     if cfg.masker.granularity not in adapter.granularities:
         raise ConfigError("masker.granularity", cfg.masker.granularity,
                           f"model '{cfg.model.name}' supports: {', '.join(adapter.granularities)}")
@@ -493,6 +503,19 @@ def _check_eval_tasks(cfg: DictConfig, registries: dict[str, Any]) -> None:
                           "use a language-model dataset such as data.name=tokens, or eval.tasks=[]")
     _check_range(cfg, "eval.task_limit", 0.0, None, fix="0 evaluates every document")
     _check_range(cfg, "eval.task_batch_size", 1, None)
+
+
+def _check_regularizers(cfg: DictConfig, adapter: Any) -> None:
+    """``model.stochastic_depth`` / ``model.hidden_dropout``: drop probabilities in [0, 1) that the
+    model adapter implements."""
+    for key in ("stochastic_depth", "hidden_dropout"):
+        value = OmegaConf.select(cfg, f"model.{key}", default=0.0) or 0.0
+        if not 0.0 <= float(value) < 1.0:
+            raise ConfigError(f"model.{key}", value, "is a drop probability and must be in [0, 1)",
+                              f"use e.g. model.{key}=0.5 for a keep rate of 0.5 (0 turns it off)")
+        if value and key not in getattr(adapter, "regularizers", ()):
+            raise ConfigError(f"model.{key}", value, f"model '{cfg.model.name}' does not implement it",
+                              f"set model.{key}=0")
 
 
 def _check_checkpoint_keys(cfg: DictConfig) -> None:

@@ -271,9 +271,16 @@ class DataConfig(PluginConfig):
 
 @dataclass
 class ModelConfig(PluginConfig):
-    """Keys every model adapter shares (``model.*``)."""
+    """Keys every model adapter shares (``model.*``).
+
+    ``stochastic_depth`` and ``hidden_dropout`` are drop probabilities (keep rate ``1 - p``) of the
+    residual branches and hidden channels that SDP masks (:mod:`subnetdp.core.branches`); 0 = off.
+    Adapters list the ones they support in ``ModelAdapter.regularizers``.
+    """
 
     variant: str = doc('the size: resnet18/34/50, swin t/s/b/cifar, llama tiny/134m/500m/1b', "")
+    stochastic_depth: float = doc('drop probability of each residual branch per sample (the branches block-level SDP masks; 0 = off)', 0.0)
+    hidden_dropout: float = doc('drop probability of each hidden channel per sample (the channels neuron-level SDP masks; 0 = off)', 0.0)
 
 
 class Masker(Plugin, abc.ABC):
@@ -428,6 +435,9 @@ class ModelAdapter(Plugin, abc.ABC):
     granularities: ClassVar[tuple[str, ...]] = ("block",)
     #: The kind of data it trains on; a data module of the same kind pairs with it (``image``, ``tokens``).
     data_kind: ClassVar[str] = "image"
+    # Which of model.stochastic_depth / model.hidden_dropout the adapter implements (through
+    # residual_branches / hidden_sites).
+    regularizers: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def build(self, spec: DataSpec) -> "nn.Module":
@@ -455,6 +465,34 @@ class ModelAdapter(Plugin, abc.ABC):
     def blocks(self, submodel: "nn.Module") -> list["nn.Module"]:
         """The materialised blocks, in forward order (for activation checkpointing and FSDP)."""
         return []
+
+    def residual_branches(self, model: "nn.Module") -> dict[str, list["nn.Module"]]:
+        """Block name (the block-level unit's name) -> the modules whose outputs are its residual
+        branches, for the blocks ``model`` holds. Used by ``model.stochastic_depth`` and by the
+        rescaled block-level union (``eval.block_union``); empty if the adapter has none."""
+        return {}
+
+    def branch_output_layers(self, model: "nn.Module") -> dict[str, list["nn.Module"]]:
+        """Block name -> the last affine layer (``weight``, optional ``bias``) of each of its residual
+        branches: scaling them scales the branch exactly. Used by ``eval.block_union=rescaled``."""
+        return {}
+
+    def hidden_sites(self, model: "nn.Module") -> list[Any]:
+        """Where the hidden channels of every neuron-level group can be reached
+        (:class:`subnetdp.core.branches.HiddenSite`), for ``model.hidden_dropout``."""
+        return []
+
+    def regularize(self, model: "nn.Module") -> "nn.Module":
+        """Attach ``model.stochastic_depth`` and ``model.hidden_dropout`` to a freshly built full
+        model (nothing when both are 0); adapters call it at the end of :meth:`build`."""
+        sd = float(getattr(self.cfg, "stochastic_depth", 0.0) or 0.0)
+        hd = float(getattr(self.cfg, "hidden_dropout", 0.0) or 0.0)
+        if sd > 0.0 or hd > 0.0:
+            from subnetdp.core.branches import attach_regularizers
+
+            attach_regularizers(model, self.residual_branches(model) if sd > 0.0 else {},
+                                self.hidden_sites(model) if hd > 0.0 else [], sd, hd)
+        return model
 
     @abc.abstractmethod
     def loss(self, output: Any, batch: Any) -> "torch.Tensor": ...
@@ -662,6 +700,8 @@ class Run:
     lock: Any = None  # rank 0's hold on run_dir (subnetdp.core.runlock.RunLock): one job per run directory
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_union: dict[str, Any] = field(default_factory=dict)  # how the union was evaluated (summary.json)
+    alignment: list[dict[str, float]] = field(default_factory=list)  # train.grad_alignment_every
     downstream: Any = None  # eval.tasks: the lm-eval tasks, loaded with their data at set-up; else None
     summary: dict[str, Any] = field(default_factory=dict)
 

@@ -61,6 +61,30 @@ def assemble_union(adapter: ModelAdapter, spec: DataSpec, seed: int, partition: 
     return union
 
 
+def branch_keep_rates(partition: Partition, plan: MaskPlan) -> dict[str, float]:
+    """Block name -> training keep rate ``k(u) / W`` of each block-level unit held by fewer than all ranks.
+
+    With forward masking a rank's forward runs a block only if it owns it, so ``k(u) / W`` is the
+    fraction of the global batch whose forward had the block: the keep rate stochastic depth would
+    call it. ``eval.block_union=rescaled`` multiplies each residual branch of the union model by it.
+    """
+    if partition.granularity != "block":
+        return {}
+    world = plan.world_size
+    rates = {u.name: len(plan.owners(u.id)) / world for u in partition.units}
+    return {name: r for name, r in rates.items() if r < 1.0}
+
+
+def union_branch_scales(cfg: Any, partition: Partition, plan: MaskPlan) -> dict[str, float]:
+    """The scales ``eval.block_union`` applies to the union model: the keep rates for ``rescaled``
+    with block-level forward masking, else none (x1, neuron level, backward masking: those train
+    every branch in every forward, or rescale neurons in training already)."""
+    backward = str(getattr(cfg.masker, "regime", "forward")) == "backward"
+    if str(cfg.eval.get("block_union", "rescaled")) != "rescaled" or backward:
+        return {}
+    return branch_keep_rates(partition, plan)
+
+
 @torch.no_grad()
 def recalibrate_batchnorm(model: nn.Module, batches: Any, n: int, inputs: Any) -> int:
     """Recompute BatchNorm running statistics as a plain average over ``n`` training batches."""

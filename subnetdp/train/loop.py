@@ -28,7 +28,8 @@ from subnetdp.train.stopping import Interrupted, StopRequest, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.step import train_step
-from subnetdp.sdp.union import assemble_union, evaluate
+from subnetdp.core.branches import fold_branch_scales
+from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate
 from subnetdp.sdp.variants import is_backward, local_model, partition_model
 
 
@@ -254,7 +255,8 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
             out = train_step(run.model, run.adapter, batches, run.averager, run.optimizer, guard, step=step,
                              accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
                              need_norm=log_step, autocast=run.parallel.autocast, scheduler=scheduler,
-                             refresher=refresher, outer=outer, last_step=steps, device=comm.device)
+                             refresher=refresher, outer=outer, last_step=steps,
+                             probe=_probe(run, log, meter, step), device=comm.device)
             if resampler is not None and resampler.due(step) and step < steps:
                 # collective: every rank re-draws the same plan and receives the pieces it gains.
                 scheduler, refresher = _redraw(run, resampler, step, steps)
@@ -372,15 +374,62 @@ def _redraw(run: Run, resampler: Any, step: int, steps: int) -> tuple[Any, Any]:
     return scheduler, _refresher(run)
 
 
+def _probe(run: Run, log: RunLogger, meter: Meter, step: int) -> Any:
+    """``train.grad_alignment_every``: the gradient-alignment probe for this step, or None.
+
+    Not on the memory-measured step; its time and traffic are not the step's.
+    """
+    every = int(run.cfg.train.grad_alignment_every)
+    if not every or step % every or step == meter.measured_step:
+        return None
+
+    def probe(batches: list[Any]) -> None:
+        from subnetdp.sdp.alignment import gradient_alignment
+
+        t0 = time.perf_counter()
+        with run.comm.bytes.phase("probe"):
+            result = gradient_alignment(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
+                                        run.model, run.pmap, run.comm, batches)  # collective
+        meter.untimed(time.perf_counter() - t0)
+        if result is not None:
+            run.alignment.append({"step": step, **result})
+            log.scalars(step, {f"probe/grad_{k}": v for k, v in result.items()})
+            log.jsonl({"step": step, **{f"probe/grad_{k}": v for k, v in result.items()}})
+    return probe
+
+
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
-    """Assemble the union model on rank 0 and evaluate it there. Collective."""
+    """Assemble the union model on rank 0 and evaluate it there. Collective.
+
+    Block-level forward masking with ``eval.block_union=rescaled``: every residual branch is scaled
+    by its training keep rate first. With ``eval.breakdown``, the last evaluation also reports the
+    union at x1 and rescaled and every rank's own subnetwork, on the same validation batches.
+    """
+    cfg = run.cfg
+    block_forward = run.partition.granularity == "block" and not is_backward(cfg.masker)
+    breakdown = bool(cfg.eval.breakdown) and block_forward and step == int(cfg.train.steps) and not run.parallel.sharded
     # collective when sharded: full parameters for the assembly; evaluation traffic is not a step's.
     with run.parallel.gathered(), run.comm.bytes.phase("eval"):
-        union = assemble_union(run.adapter, run.spec, int(run.cfg.seed), run.partition, run.plan,
+        own = _own_subnetworks(run) if breakdown else None  # collective: every rank evaluates its own
+        union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan,
                                run.model, run.pmap, run.comm)
     if union is None:
         return {}
-    metrics = evaluate(union, run.adapter, run.data, run.cfg)
+    rates = branch_keep_rates(run.partition, run.plan) if block_forward else {}
+    mode = str(cfg.eval.block_union)
+    run.eval_union = {"block_union": mode, "rescaled": bool(rates) and mode == "rescaled",
+                      "branch_keep_rates": rates}
+    if breakdown:
+        x1 = evaluate(union, run.adapter, run.data, cfg)
+        fold_branch_scales(run.adapter.branch_output_layers(union), rates)
+        rescaled = evaluate(union, run.adapter, run.data, cfg)
+        metrics = rescaled if mode == "rescaled" else x1
+        run.eval_union.update({"step": step, "union_x1": x1, "union_rescaled": rescaled, "own_subnetworks": own})
+        log.jsonl({"step": step, "eval_union": run.eval_union})
+    else:
+        if run.eval_union["rescaled"]:
+            fold_branch_scales(run.adapter.branch_output_layers(union), rates)
+        metrics = evaluate(union, run.adapter, run.data, cfg)
     if step < int(run.cfg.train.steps):  # the final evaluation is in the summary
         from tqdm import tqdm
 
@@ -390,6 +439,17 @@ def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     if run.downstream is not None:
         metrics.update(_evaluate_tasks(run, union, log, step))
     return metrics
+
+
+def _own_subnetworks(run: Run) -> list[dict[str, Any]]:
+    """Every rank's own subnetwork, evaluated on the validation batches. Collective."""
+    import copy
+
+    mine = {"rank": run.rank, "owned": run.plan.owned[run.rank],
+            "metrics": evaluate(copy.deepcopy(run.model), run.adapter, run.data, run.cfg)}
+    run.model.train()
+    # collective: every rank reaches this at the last evaluation.
+    return run.comm.all_gather_object(mine)
 
 
 def _downstream_tasks(cfg: DictConfig, data: DataModule) -> Any:
@@ -467,6 +527,7 @@ def _summarise(run: Run, meter: Meter, done: int) -> dict[str, Any]:
         for r in ranks:
             r.update(peak_memory_bytes=None, bytes_sent_per_step=None, wire_bytes_per_step_ring=None)
     summary = {"steps": run.step, "world_size": run.comm.world_size, "eval": run.eval_metrics,
+               "eval_union": run.eval_union, "grad_alignment": run.alignment,
                "full_model_params": run.partition.shared_numel() + sum(run.partition.unit_numel(u) for u in run.partition.units),
                "num_units": run.plan.num_units, "plan_digest": run.plan.digest(), "spectral_gap": run.plan.spectral_gap(run.partition),
                "ranks": ranks}

@@ -39,6 +39,7 @@ class Meter:
         self._groups_at_start = dict(comm.bytes.by_group)
         self._refresh_at_start = comm.bytes.total("refresh")
         self._ring_at_start = comm.bytes.ring_estimate()
+        self._untimed = 0.0
 
     @contextlib.contextmanager
     def step(self, step: int, state: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
@@ -52,11 +53,16 @@ class Meter:
         tracker = self.parallel.memory_tracker(live_state_bytes(state())) if measure else contextlib.nullcontext()
         with tracker, self.parallel.counting(probe):  # FSDP's all-gathers and reduce-scatters, when sharded
             yield
-        self.last_step_time = time.perf_counter() - t0
+        self.last_step_time = time.perf_counter() - t0 - self._untimed
+        self._untimed = 0.0
         if measure or (probe and self.parallel.sharded):
             self.peak_cpu = tracker.peak if measure else 0
         else:
             self.step_times.append(self.last_step_time)
+
+    def untimed(self, seconds: float) -> None:
+        """Leave ``seconds`` of the current step out of its time (a probe that is not training)."""
+        self._untimed += seconds
 
     def group_bytes(self) -> dict[tuple[int, ...], int]:
         """Gradient payload per owner group since the first step of this process."""

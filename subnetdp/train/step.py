@@ -30,6 +30,7 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
                optimizer: torch.optim.Optimizer, guard: Any, *, step: int, accum: int = 1, clip: float = 0.0,
                need_norm: bool = False, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                scheduler: Any = None, refresher: Any = None, outer: Any = None, last_step: int = 0,
+               probe: Callable[[list[Any]], None] | None = None,
                device: torch.device | None = None) -> StepResult:
     """One optimizer step of this rank: forward and backward of ``accum`` micro-batches, averaging, update.
 
@@ -43,12 +44,17 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
         step: the step's number (the refresh and the guard's messages use it).
         need_norm: compute the gradient norm even without clipping (log steps show it).
         refresher: backward masking's broadcaster of owners' values, or None.
+        probe: called with the step's micro-batches after averaging and before the update (the
+            gradient-alignment probe, ``train.grad_alignment_every``), or None.
         outer: ``sync.mode=local_steps``: the synchroniser whose owners average their parameter
             deltas every ``sync.every`` steps and at ``last_step``, or None.
     """
     loss_sum = torch.zeros((), device=device)
+    seen: list[Any] = []
     for micro in range(accum):
         batch = next(batches)
+        if probe is not None:
+            seen.append(batch)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else sync.no_sync():  # all but the last accumulate locally
             with autocast():
@@ -58,6 +64,8 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
                 guard.carry(sync, loss_sum)  # the loss's inf/NaN flag travels with the gradients
             loss.backward()
     sync.finish()  # collective: owner groups average this step's gradients
+    if probe is not None:
+        probe(seen)  # collective: every rank reaches the probe on the same steps
     # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite),
     # in the gradient-norm all-reduce when clipping or logging needs the norm.
     finite, norm = guard.check(step, sync, loss_sum, need_norm=clip > 0 or need_norm)

@@ -155,9 +155,11 @@ FROZEN_API: dict[str, list[str]] = {
     ],
     'ModelAdapter': [
         'blocks(self, submodel: "\'nn.Module\'") -> "list[\'nn.Module\']"',
+        'branch_output_layers(self, model: "\'nn.Module\'") -> "dict[str, list[\'nn.Module\']]"',
         'build(self, spec: \'DataSpec\') -> "\'nn.Module\'"',
         "has_hf_export(cls) -> 'bool'",
         'hf_export(self, model: "\'nn.Module\'", options: \'dict[str, Any]\', bos: \'Optional[int]\' = None, eos: \'Optional[int]\' = None) -> "tuple[dict[str, Any], dict[str, \'torch.Tensor\']]"',
+        'hidden_sites(self, model: "\'nn.Module\'") -> \'list[Any]\'',
         "inputs(self, batch: 'Any') -> 'Any'",
         'loss(self, output: \'Any\', batch: \'Any\') -> "\'torch.Tensor\'"',
         'materialize(self, model: "\'nn.Module\'", owned: \'Sequence[int]\', partition: \'Partition\') -> "tuple[\'nn.Module\', ParamMap]"',
@@ -166,10 +168,12 @@ FROZEN_API: dict[str, list[str]] = {
         'reference_model(options: \'dict[str, Any]\') -> "\'nn.Module\'"',
         "reference_options(self, spec: 'DataSpec') -> 'Optional[dict[str, Any]]'",
         'reference_state_dict(self, model: "\'nn.Module\'") -> "dict[str, \'torch.Tensor\']"',
+        'regularize(self, model: "\'nn.Module\'") -> "\'nn.Module\'"',
+        'residual_branches(self, model: "\'nn.Module\'") -> "dict[str, list[\'nn.Module\']]"',
         'training_loss(self, model: "\'nn.Module\'", batch: \'Any\') -> "\'torch.Tensor\'"',
     ],
     'ModelConfig': [
-        "__init__(self, name: 'str' = '???', variant: 'str' = '') -> None",
+        "__init__(self, name: 'str' = '???', variant: 'str' = '', stochastic_depth: 'float' = 0.0, hidden_dropout: 'float' = 0.0) -> None",
     ],
     'NonFiniteError': [
     ],
@@ -204,7 +208,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'Run': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, lock: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, lock: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, eval_union: \'dict[str, Any]\' = <factory>, alignment: \'list[dict[str, float]]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
         'rank: property',
     ],
     'SubnetdpError': [

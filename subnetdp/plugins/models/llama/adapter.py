@@ -21,6 +21,10 @@ tiny     64     4       4      2         176     no    4,280,896 *
 
 (*) at vocabulary 32,000; with the byte tokenizer (257 tokens) ``tiny`` holds 217,792.
 
+Each architecture key (``model.dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``hidden_dim``)
+overrides the variant's value when set, e.g. ``model.n_layers=8 model.dim=128`` for a deeper
+small model (``benchmarks/evidence_tasks.py``).
+
 Neuron level (``masker.granularity=neuron``): each block's SwiGLU hidden dimension is cut into
 ``masker.units_per_layer`` equal ranges ``[a, b)``, one unit each, one group per layer
 (``layers.i.feed_forward``), with slices ``TensorSlice("layers.i.feed_forward.w1.weight", 0, a, b)``
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
@@ -199,6 +204,15 @@ class LlamaConfig(ModelConfig):
     # Tokens per chunk of the head and cross entropy in training (the full logits never exist);
     # 0: the plain path, all logits at once.
     loss_chunk: int = 1024
+    # Architecture keys: each overrides the variant's value when set (None = the variant's).
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    hidden_dim: Optional[int] = None
+
+
+ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim")
 
 
 class LlamaAdapter(ModelAdapter):
@@ -208,6 +222,7 @@ class LlamaAdapter(ModelAdapter):
 
     Config = LlamaConfig
     granularities = ("block", "neuron")
+    regularizers = ("stochastic_depth", "hidden_dropout")
     data_kind = "tokens"
 
     @classmethod
@@ -220,6 +235,22 @@ class LlamaAdapter(ModelAdapter):
                               "0 computes all logits at once; e.g. 1024 tokens per chunk")
         if cfg.vocab_size < 0:
             raise ConfigError("model.vocab_size", cfg.vocab_size, "must be >= 0", "0 takes the data's vocabulary")
+        arch = cls._arch(cfg)
+        for key in ARCH_KEYS:
+            if arch[key] < 1:
+                raise ConfigError(f"model.{key}", arch[key], "must be >= 1")
+        if arch["dim"] % arch["n_heads"]:
+            raise ConfigError("model.n_heads", arch["n_heads"], f"must divide model.dim={arch['dim']}",
+                              "choose a head count that divides the width")
+        if arch["n_heads"] % arch["n_kv_heads"]:
+            raise ConfigError("model.n_kv_heads", arch["n_kv_heads"], f"must divide model.n_heads={arch['n_heads']}",
+                              "grouped-query attention shares each key/value head among n_heads / n_kv_heads heads")
+
+    @staticmethod
+    def _arch(cfg: Any) -> dict[str, int]:
+        """The variant's dimensions with the config's explicit architecture keys on top."""
+        base = VARIANTS[cfg.variant]
+        return {k: int(getattr(base, k)) if getattr(cfg, k, None) is None else int(getattr(cfg, k)) for k in ARCH_KEYS}
 
     def args(self, spec: DataSpec) -> LlamaArgs:
         """The variant's dimensions with the vocabulary, sequence length and options filled in."""
@@ -229,12 +260,25 @@ class LlamaAdapter(ModelAdapter):
             raise ConfigError("model.vocab_size", vocab, f"is smaller than the data's vocabulary ({spec.vocab_size})",
                               "set model.vocab_size=0 to take the data's")
         tie = base.tie_embeddings if self.cfg.tie_embeddings is None else bool(self.cfg.tie_embeddings)
-        return LlamaArgs(base.dim, base.n_layers, base.n_heads, base.n_kv_heads, base.hidden_dim, tie, vocab,
+        arch = self._arch(self.cfg)
+        return LlamaArgs(arch["dim"], arch["n_layers"], arch["n_heads"], arch["n_kv_heads"], arch["hidden_dim"], tie, vocab,
                          spec.seq_len or base.max_seq_len, float(self.cfg.rope_theta),
                          base.norm_eps, float(self.cfg.init_std))
 
     def build(self, spec: DataSpec) -> nn.Module:
-        return Llama(self.args(spec))
+        return self.regularize(Llama(self.args(spec)))
+
+    def residual_branches(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        """A block's two residual branches: the attention and the SwiGLU MLP."""
+        return {f"layers.{key}": [block.attention, block.feed_forward] for key, block in model.layers.items()}
+
+    def branch_output_layers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        """The output projection ``wo`` and the down projection ``w2``."""
+        return {f"layers.{key}": [block.attention.wo, block.feed_forward.w2] for key, block in model.layers.items()}
+
+    def hidden_sites(self, model: nn.Module) -> list[HiddenSite]:
+        """The SwiGLU hidden is the input of the down projection ``w2`` (last dimension)."""
+        return [HiddenSite(block.feed_forward.w2, -1, "input") for block in model.layers.values()]
 
     def reference_options(self, spec: DataSpec) -> dict[str, Any]:
         """Rebuild an exported model with ``Llama(LlamaArgs(**options))``."""

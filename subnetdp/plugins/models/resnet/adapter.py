@@ -24,12 +24,13 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
-from subnetdp.plugins.models.resnet.neurons import STAGES, materialize_neurons, neuron_partition
+from subnetdp.plugins.models.resnet.neurons import STAGES, hidden_layers, materialize_neurons, neuron_partition
 
 VARIANTS = ("resnet18", "resnet34", "resnet50")
 
@@ -81,6 +82,7 @@ class ResNetAdapter(ModelAdapter):
 
     Config = ResNetConfig
     granularities = ("block", "neuron")
+    regularizers = ("stochastic_depth", "hidden_dropout")
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -89,8 +91,25 @@ class ResNetAdapter(ModelAdapter):
                               + suggest(cfg.variant, VARIANTS))
 
     def build(self, spec: DataSpec) -> nn.Module:
-        return build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
-                               bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual))
+        return self.regularize(build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
+                                               bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual)))
+
+    @staticmethod
+    def _held_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(global name, block)`` of the residual blocks ``model`` holds (not dropped ones)."""
+        return [(f"{stage}.{key}", block) for stage in STAGES for key, block in getattr(model, stage).named_children()
+                if not isinstance(block, DroppedBlock)]
+
+    def residual_branches(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        """A block's residual branch ends in its last BatchNorm (``bn2``; ``bn3`` for Bottleneck)."""
+        return {name: [block.bn3 if hasattr(block, "bn3") else block.bn2] for name, block in self._held_blocks(model)}
+
+    def branch_output_layers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        return self.residual_branches(model)  # the BatchNorm's affine weight and bias
+
+    def hidden_sites(self, model: nn.Module) -> list[HiddenSite]:
+        """The inner channels are the input of ``conv2`` (BasicBlock) or ``conv3`` (Bottleneck)."""
+        return [HiddenSite(getattr(block, hidden_layers(block)[2]), 1, "input") for _, block in self._held_blocks(model)]
 
     def reference_options(self, spec: DataSpec) -> dict[str, Any]:
         return {"variant": self.cfg.variant, "num_classes": spec.num_classes,

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 
+from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
@@ -118,6 +119,7 @@ class SwinAdapter(ModelAdapter):
 
     Config = SwinConfig
     granularities = ("block", "neuron")
+    regularizers = ("stochastic_depth", "hidden_dropout")
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -141,9 +143,30 @@ class SwinAdapter(ModelAdapter):
                 raise ConfigError(f"model.{key}", arch[key], "must be >= 1")
         if not 0.0 <= float(arch["stochastic_depth_prob"]) < 1.0:
             raise ConfigError("model.stochastic_depth_prob", arch["stochastic_depth_prob"], "must be in [0, 1)")
+        if float(getattr(cfg, "stochastic_depth", 0.0) or 0.0) > 0 and float(arch["stochastic_depth_prob"]) > 0:
+            raise ConfigError("model.stochastic_depth", cfg.stochastic_depth,
+                              f"would stack on torchvision's own stochastic depth (model.stochastic_depth_prob="
+                              f"{arch['stochastic_depth_prob']:g} from variant {cfg.variant})",
+                              "set model.stochastic_depth_prob=0 (model.stochastic_depth is the same rate on every block)")
 
     def build(self, spec: DataSpec) -> nn.Module:
-        return build_reference(spec.num_classes, spec.in_channels or 3, **architecture(self.cfg))
+        return self.regularize(build_reference(spec.num_classes, spec.in_channels or 3, **architecture(self.cfg)))
+
+    def residual_branches(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        """A Swin block's two residual branches: ``attn`` and ``mlp`` (before torchvision's own
+        stochastic depth)."""
+        return {f"features.{si}.{key}": [block.attn, block.mlp] for si in stage_indices(model)
+                for key, block in model.features[si].named_children()}
+
+    def branch_output_layers(self, model: nn.Module) -> dict[str, list[nn.Module]]:
+        """The attention's output projection ``attn.proj`` and the MLP's last linear ``mlp[3]``."""
+        return {f"features.{si}.{key}": [block.attn.proj, block.mlp[3]] for si in stage_indices(model)
+                for key, block in model.features[si].named_children()}
+
+    def hidden_sites(self, model: nn.Module) -> list[HiddenSite]:
+        """The MLP hidden is the output of ``mlp[2]`` (its dropout), channels last."""
+        return [HiddenSite(block.mlp[2], -1, "output") for si in stage_indices(model)
+                for block in model.features[si].children()]
 
     def reference_options(self, spec: DataSpec) -> dict[str, Any]:
         return {"num_classes": spec.num_classes, "in_channels": spec.in_channels or 3, **architecture(self.cfg)}

@@ -1,0 +1,135 @@
+"""model.stochastic_depth and model.hidden_dropout: off is the plain model, eval is deterministic,
+and the training-time expectation equals the evaluation-time value (enumerated exactly)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from subnetdp.core.branches import DropChannels, DropPath, fold_branch_scales
+from subnetdp.core.contracts import DataSpec
+from subnetdp.core.errors import ConfigError
+from tests.helpers import plugin_manager, small_config
+
+CASES = {  # model: (recipe overrides, spec, input)
+    "resnet": ([], DataSpec(in_channels=1, image_size=8, num_classes=10), lambda: torch.randn(2, 1, 8, 8)),
+    "llama": (["model.variant=tiny", "model.vocab_size=64"], DataSpec(vocab_size=64, seq_len=8),
+              lambda: torch.randint(0, 64, (2, 8))),
+    "swin": (["model.variant=cifar", "model.stochastic_depth_prob=0"], DataSpec(in_channels=3, image_size=32, num_classes=10),
+             lambda: torch.randn(2, 3, 32, 32)),
+}
+
+
+def _build(name: str, *overrides: str) -> nn.Module:
+    extra, spec, _ = CASES[name]
+    recipe = {"resnet": "resnet18_digits", "llama": "llama_tiny_stdlib", "swin": "swin_t_cifar10"}[name]
+    cfg = small_config(*extra, *overrides, recipe=recipe)
+    adapter = plugin_manager().registries["model"].create(cfg.model.name, cfg.model)
+    torch.manual_seed(0)
+    return adapter.build(spec)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_off_is_plain_and_eval_is_deterministic(name):
+    x = CASES[name][2]()
+    plain = _build(name)
+    off = _build(name, "model.stochastic_depth=0", "model.hidden_dropout=0")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in off.modules())  # nothing attached at 0
+    on = _build(name, "model.stochastic_depth=0.5", "model.hidden_dropout=0.5")
+    plain.eval(), on.eval()  # before any training forward moves BatchNorm statistics
+    with torch.no_grad():
+        first, second = on(x), on(x)
+        assert torch.equal(first, second)  # evaluation: deterministic ...
+        assert torch.equal(first, plain(x))  # ... and the plain model (inverted scaling in training)
+    plain.train(), off.train()
+    torch.manual_seed(1)
+    ref = plain(x)
+    torch.manual_seed(1)
+    assert torch.equal(off(x), ref)  # keep rate 1: exactly the plain model, in training too
+    on.train()
+    torch.manual_seed(1)
+    assert not torch.equal(on(x), ref)  # the options do act in training
+
+
+def _expectation(module: nn.Module, hook, x: torch.Tensor, mask_shape: tuple[int, ...]) -> torch.Tensor:
+    """The exact training-time expectation of ``module(x)`` over every 0/1 mask the hook can draw."""
+    keep = 1.0 - hook.p
+    total = torch.zeros_like(module(x))
+    n = int(torch.tensor(mask_shape).prod())
+    for bits in itertools.product((0.0, 1.0), repeat=n):
+        mask = torch.tensor(bits, dtype=x.dtype).reshape(mask_shape)
+        hook.sample = lambda shape, k, like, m=mask: m.reshape(shape)
+        weight = keep ** sum(bits) * (1 - keep) ** (n - sum(bits))
+        total += weight * module(x)
+    return total
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.branch(x)
+
+
+def test_stochastic_depth_expectation_is_the_eval_value_exactly():
+    torch.manual_seed(0)
+    block = Residual().double()
+    hook = DropPath(0.3)
+    block.branch.register_forward_hook(hook)
+    x = torch.randn(3, 3, dtype=torch.float64)
+    expected = _expectation(block.train(), hook, x, (3, 1))  # one decision per sample: 2^3 masks
+    torch.testing.assert_close(expected, block.eval()(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_hidden_dropout_expectation_is_the_eval_value_exactly(where):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    hook = DropChannels(0.4, dim=-1)
+    if where == "input":
+        mlp[2].register_forward_pre_hook(hook.pre_hook)
+    else:
+        mlp[1].register_forward_hook(hook.hook)
+    x = torch.randn(2, 5, 3, dtype=torch.float64)  # 2 samples x 5 tokens: one mask per sample and channel
+    expected = _expectation(mlp.train(), hook, x, (2, 1, 4))
+    torch.testing.assert_close(expected, mlp.eval()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_llama_swiglu_hidden_dropout_expectation_exact():
+    """The adapter's own hook site (the input of w2): E over all masks = the eval output."""
+    model = _build("llama", "model.hidden_dropout=0.5", "model.hidden_dim=6", "model.n_layers=1").double()
+    ff = model.layers["0"].feed_forward
+    (hook,) = [h.__self__ for h in ff.w2._forward_pre_hooks.values()]
+    x = torch.randn(1, 3, model.args.dim, dtype=torch.float64)
+    expected = _expectation(ff.train(), hook, x, (1, 1, 6))
+    torch.testing.assert_close(expected, ff.eval()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_fold_branch_scales_equals_scaling_the_branch_outputs():
+    model = _build("llama", "model.n_layers=2").double().eval()
+    adapter = plugin_manager().registries["model"].create("llama", small_config(recipe="llama_tiny_stdlib").model)
+    x = CASES["llama"][2]()
+    scaled = {"layers.0": 0.5, "layers.1": 0.75}
+    hooked = _build("llama", "model.n_layers=2").double().eval()
+    for name, modules in adapter.residual_branches(hooked).items():
+        for m in modules:
+            m.register_forward_hook(lambda mod, a, out, s=scaled[name]: out * s)
+    assert fold_branch_scales(adapter.branch_output_layers(model), scaled) == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hooked(x), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_values_are_config_errors():
+    with pytest.raises(ConfigError, match=r"model\.stochastic_depth.*\[0, 1\)"):
+        small_config("model.stochastic_depth=1.0")
+    with pytest.raises(ConfigError, match=r"model\.stochastic_depth.*stack on torchvision"):
+        small_config("model.variant=cifar", "model.stochastic_depth=0.5", recipe="swin_t_cifar10")
+    with pytest.raises(ConfigError, match=r"eval\.block_union"):
+        small_config("eval.block_union=x2")
+    with pytest.raises(ConfigError, match=r"model\.n_heads"):
+        small_config("model.dim=66", recipe="llama_tiny_stdlib")
