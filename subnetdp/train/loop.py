@@ -65,7 +65,6 @@ def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
 def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
-    seed_host_rngs(int(cfg.seed))
     data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
     data.check()
     check_recalibration_fits(cfg, data)
@@ -235,6 +234,8 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
     _write_start(run, log)
     loader = run.data.train_loader(run.rank, comm.world_size, int(cfg.train.batch_size))
     ckpt = Checkpointer(run, run.optimizer, scheduler, loader)
+    # After set-up, whose lazy imports may draw from them (rich, via scikit-learn, does); a resume restores them.
+    seed_host_rngs(int(cfg.seed))
     first = ckpt.start() + 1  # collective: resumes from a checkpoint when cfg.resume asks for one
     run.step = first - 1
     batches = (_to_device(b, comm.device) for b in loader)

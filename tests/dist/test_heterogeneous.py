@@ -12,7 +12,7 @@ from tests.helpers import run_ranks
 
 def _run(rank: int, world: int, init_method: str, cache: str) -> dict:
     cfg = _config(init_method, cache, "masker.capacity=[1.0,0.5,0.25]", "run.name=het", "train.steps=3",
-                  "checkpoint.enabled=true")
+                  "checkpoint.enabled=true", "checkpoint.final=always")
     params, summary, _ = _train_gathered(cfg, rank, world)
     return {"params": params, "summary": summary}
 

@@ -30,7 +30,7 @@ DATA = ("data.tokenizer=bpe", "data.bpe_vocab_size=384", "data.stdlib_max_mb=0.5
 
 
 def _config(tmp, name: str, *overrides: str):
-    return small_config("train.steps=3", "train.batch_size=4", "eval.batches=1", "checkpoint.enabled=true",
+    return small_config("train.steps=3", "train.batch_size=4", "eval.batches=1", "checkpoint.enabled=true", "checkpoint.final=always",
                         f"data.cache_dir={tmp}/data", f"run.name={name}", *DATA, *overrides,
                         recipe="llama_tiny_stdlib", run_dir=tmp / "runs")
 

@@ -41,7 +41,7 @@ def _host_rng(tmp_path: Path, name: str, seed: int) -> dict:
     random.seed(name)  # a different state before each run: it must not matter
     np.random.seed(ord(name))
     cfg = small_config("comm.name=local", "masker.coverage=1", "train.batch_size=8", "train.steps=1",
-                       "checkpoint.enabled=true", f"seed={seed}", f"run.name={name}", run_dir=tmp_path)
+                       "checkpoint.enabled=true", "checkpoint.final=always", f"seed={seed}", f"run.name={name}", run_dir=tmp_path)
     run = train(cfg, ONE, plugin_manager())
     state = ck.read_state(ck.step_dir(run.run_dir, 1) / ck.rank_files(0)[1])["rng"]
     return {k: state[k] for k in ("python", "python_gauss", "numpy", "numpy_pos")}
