@@ -227,9 +227,12 @@ def first_lines(path: Path, lines: int = 3, width: int = 100) -> str:
     return " | ".join(line[:width] + ("..." if len(line) > width else "") for line in head)
 
 
-def clipped(value: Any, width: int = 80) -> str:
-    """A value for an error message: its first line, at most ``width`` characters."""
+def clipped(value: Any, width: int = 80) -> Any:
+    """A value for an error message: its first line, at most ``width`` characters (a short
+    non-string value is kept as it is, so the message shows its type)."""
     text = str(value)
+    if not isinstance(value, str) and len(text) <= width and "\n" not in text:
+        return value
     first = text.splitlines()[0] if text.strip() else text
     return first[:width] + ("..." if len(first) > width or first != text else "")
 

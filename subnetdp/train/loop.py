@@ -54,7 +54,7 @@ def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
         return
     try:
         per_epoch = getattr(data.train_loader(0, 1, int(cfg.train.batch_size)), "batches_per_epoch", None)
-    except SubnetdpError:  # a batch larger than the data is the batch size's error, reported where it is checked
+    except (SubnetdpError, ValueError):  # a batch larger than the data is the batch size's error, reported where it is checked
         return
     if per_epoch is not None and n > per_epoch:
         raise ConfigError("eval.bn_recalibrate_batches", n, f"is more than the {per_epoch} batches of "
