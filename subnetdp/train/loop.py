@@ -24,7 +24,7 @@ from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.runlock import RunLock, RunLockedError
 from subnetdp.train.checkpoints.resume import Checkpointer
-from subnetdp.train.stopping import Interrupted, StopRequest, stop_message
+from subnetdp.train.stopping import Interrupted, StopRequest, hold_for_test, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.step import train_step
@@ -318,6 +318,7 @@ def _stop(run: Run, ckpt: Checkpointer, step: int, who: dict[int, int], bar: Any
     from subnetdp.train.checkpoints import files as ck
 
     path = ckpt.last_saved if ckpt.last_saved == ck.step_dir(run.run_dir, step) else None
+    hold_for_test()
     if path is None and run.cfg.checkpoint.enabled:
         path = ckpt.save(step)  # collective: every rank agreed to stop after this step
     if bar is not None:

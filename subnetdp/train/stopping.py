@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,15 @@ import torch
 from subnetdp.core.errors import SubnetdpError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: test-only: seconds a stopping rank waits before its checkpoint, so that a test's second signal
+#: is sure to arrive while the first stop is still under way (a fast step would race it).
+STOP_HOLD = "SUBNETDP_TEST_STOP_HOLD_S"
+
+
+def hold_for_test() -> None:
+    seconds = float(os.environ.get(STOP_HOLD, "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 class Interrupted(SubnetdpError):

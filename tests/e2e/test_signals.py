@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from subnetdp.train.checkpoints import files as ck
+from subnetdp.train.stopping import STOP_HOLD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")
 
@@ -59,9 +60,9 @@ def _alive(pids: set[int]) -> set[int]:
     return out
 
 
-def _start(cmd: list[str], run: Path) -> tuple[subprocess.Popen, set[int]]:
+def _start(cmd: list[str], run: Path, env: dict | None = None) -> tuple[subprocess.Popen, set[int]]:
     """Start ``cmd`` and wait until its run has logged two steps; returns it and its workers."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV,
                             start_new_session=True)  # a signal to the test's process group never reaches it
     deadline = time.monotonic() + 180
     metrics = run / "metrics.jsonl"
@@ -120,8 +121,10 @@ def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alo
 
 
 def test_a_second_signal_aborts_at_once_and_sigkill_takes_the_workers_along(tmp_path):
+    # The stopping ranks hold 5 s before their checkpoint, so the second signal (0.3 s later) is sure
+    # to arrive during the first stop however fast a step is on this machine.
     proc, workers = _start([*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=twice"],
-                           tmp_path / "twice")
+                           tmp_path / "twice", {**ENV, STOP_HOLD: "5"})
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)  # two signals sent at once would reach the launcher as one
     proc.send_signal(signal.SIGINT)
