@@ -28,7 +28,6 @@ class DigitsConfig(DataConfig):
 class DigitsData(DataModule):
     """scikit-learn's digits as 1-channel images, normalised with the training split's statistics."""
 
-
     Config = DigitsConfig
 
     @classmethod

@@ -48,7 +48,6 @@ def _classes(folder: Path) -> list[str]:
 class ImageNetData(DataModule):
     """An ImageFolder tree with ``train`` and ``val`` splits, sharded by rank."""
 
-
     Config = ImageNetConfig
 
     @classmethod

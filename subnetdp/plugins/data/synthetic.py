@@ -25,7 +25,6 @@ class SyntheticConfig(DataConfig):
 class SyntheticData(DataModule):
     """Gaussian images; the label is the argmax of a fixed random linear map of the image."""
 
-
     Config = SyntheticConfig
 
     @classmethod

@@ -130,7 +130,6 @@ class EvalWindows:
 class TokensData(DataModule):
     """Token shards for language models (``DataSpec.vocab_size``, ``DataSpec.seq_len``)."""
 
-
     Config = TokensConfig
     data_kind = "tokens"
 

@@ -79,7 +79,6 @@ def named_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
 class ResNetAdapter(ModelAdapter):
     """torchvision ResNets with block-level units (residual branches)."""
 
-
     Config = ResNetConfig
     granularities = ("block", "neuron")
     regularizers = ("stochastic_depth", "hidden_dropout")

@@ -116,7 +116,6 @@ def named_blocks(model: SwinTransformer) -> list[tuple[str, str, nn.Module]]:
 class SwinAdapter(ModelAdapter):
     """torchvision Swin Transformers: block-level units (one group per stage) or MLP hidden ranges."""
 
-
     Config = SwinConfig
     granularities = ("block", "neuron")
     regularizers = ("stochastic_depth", "hidden_dropout")
