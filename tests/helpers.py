@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import traceback
@@ -111,6 +112,31 @@ def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str,
         return {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         dist.destroy_process_group()
+
+
+def digest(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and bytes as one sha256: equal digests mean bit-identical tensors.
+
+    Workers hand back digests instead of whole models, so a spawn's results stay small on disk.
+    """
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def sample(t: torch.Tensor, key: Any, n: int = 2048) -> torch.Tensor:
+    """Up to ``n`` coordinates of ``t``, the same ones for the same ``key`` and shape on every rank.
+
+    For elementwise properties (an average is the mean of its terms, coordinate by coordinate) a fixed
+    sample of every tensor tests every tensor, at a few kilobytes instead of the whole model.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= n:
+        return flat.clone()
+    seed = int.from_bytes(hashlib.sha256(repr((key, tuple(t.shape))).encode()).digest()[:8], "little") >> 1
+    idx = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[:n]
+    return flat[idx].clone()
 
 
 UNIT_ROUNDOFF = 2.0 ** -24  # fp32
