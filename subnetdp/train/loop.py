@@ -30,7 +30,8 @@ from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.step import train_step
 from subnetdp.core.branches import fold_branch_scales
 from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate
-from subnetdp.sdp.variants import is_backward, local_model, partition_model
+from subnetdp.sdp.construct import build_local, meta_model
+from subnetdp.sdp.variants import is_backward, partition_model
 
 
 def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
@@ -72,9 +73,10 @@ def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Dat
     adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
     masker: Masker = regs["masker"].create(cfg.masker.name, cfg.masker)
     replicas = config_mod.check_world(cfg, world_size)  # fsdp.shard_size must divide the world
-    # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
+    # The full model exists only on the meta device (shapes, no storage): the partition, the units'
+    # FLOPs and the plan come from it; a rank materialises its own units in setup().
     torch.manual_seed(int(cfg.seed))
-    full = adapter.build(spec)
+    full = meta_model(adapter, spec)
     partition = partition_model(adapter, full, cfg.masker, spec)
     # With FSDP the plan is made over the replicas; the S ranks of a replica own the same units.
     plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners))
@@ -114,9 +116,9 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
     lock = lock_run_dir(run_dir, comm)
-    model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
-    del full  # forward masking: frees the tensors of units this rank does not own
-    model.to(comm.device)
+    # Owner-local: only this rank's units and the shared tensors get storage, each initialised from
+    # the seed and its global name (backward masking holds the whole model by definition).
+    model, pmap = build_local(adapter, full, plan.owned[env.rank], partition, cfg.masker, int(cfg.seed), comm.device)
     run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir, lock=lock)
     run.downstream = tasks
     from subnetdp.parallel.apply import parallelize
