@@ -8,10 +8,13 @@ Everything here runs in one process, without a process group::
     import subnetdp.export
     model = subnetdp.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
 
-The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run: each
-unit's parameters from ``min(owners)`` (per ``plan.json``), float buffers averaged among the owners,
-integer buffers from ``min(owners)``; shared tensors from rank 0, shared float buffers averaged over
-all ranks. With block-level forward masking and ``eval.block_union=rescaled`` (the default) each
+The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run, one
+piece at a time from the files the manifest's index names (:func:`fill_union`): every parameter
+piece is stored once (all its owners held the same values), float buffers are averaged among the
+owners' own copies, integer buffers taken from ``min(owners)`` (per ``plan.json``), shared float
+buffers averaged over all ranks. The model is built once and filled in place; export writes it
+tensor by tensor (:func:`~subnetdp.train.checkpoints.files.save_safetensors`), so no second copy of
+the model is ever held. With block-level forward masking and ``eval.block_union=rescaled`` (the default) each
 residual branch is then scaled by its training keep rate, folded into the branch's last affine
 layer, as the in-run evaluation does (``reference.json`` lists the scales). Export then recalibrates BatchNorm statistics on ``eval.bn_recalibrate_batches`` training
 batches, as the in-run evaluation does, so the exported model scores the run's metric exactly.

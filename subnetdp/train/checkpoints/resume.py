@@ -108,6 +108,10 @@ class Checkpointer:
                 out.setdefault(prefix, {})[name] = t
         return out
 
+    def _per_owner(self) -> bool:
+        """Whether owners' copies of a piece differ, so every owner writes its own (local steps)."""
+        return isinstance(self.run.averager, LocalStepsSynchronizer)
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -142,7 +146,8 @@ class Checkpointer:
         optim_state = dict(zip(names, full_state))
         with run.parallel.gathered():  # collective when sharded: each rank writes from its replica's full tensors
             index = LocalIndex(run.model, run.pmap)
-            pieces = units.pieces_to_write(self.rank, run.partition, run.plan, index, self._outer(), optim_state)
+            pieces = units.pieces_to_write(self.rank, run.partition, run.plan, index, self._outer(), optim_state,
+                                           per_owner=self._per_owner())
             buffers = units.buffers_to_write(self.rank, run.partition, run.plan, index)
             files = self._write_rank_files(tmp, step, pieces, buffers)
         del full_state, optim_state, pieces
@@ -164,7 +169,7 @@ class Checkpointer:
                         "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
                         "reference": run.adapter.reference_options(spec),
                         "files": dict(sorted(files.items())),
-                        "pieces": units.piece_index(run.partition, run.plan)}
+                        "pieces": units.piece_index(run.partition, run.plan, self._per_owner())}
             ck.finish_directory(tmp, final, manifest)
             ck.prune(run.run_dir, int(self.cfg.checkpoint.keep), final)
         comm.barrier()  # collective: no rank runs ahead of a checkpoint that is not complete yet
@@ -256,7 +261,8 @@ class Checkpointer:
         with torch.no_grad(), run.parallel.gathered(writeback=True):
             index = LocalIndex(run.model, run.pmap)
             outer = self._outer()
-            optim_state, found_outer = units.load_pieces(reader, self.rank, run.partition, run.plan, index, outer)
+            optim_state, found_outer = units.load_pieces(reader, self.rank, run.partition, run.plan, index, outer,
+                                                         own=same_plan)
             units.load_buffers(reader, self.rank, run.partition, run.plan, index, old_plan, own=same_plan)
             # A checkpoint written with per-step synchronisation has no outer state (a cycle starts here),
             # one written with sync.outer_momentum=0 no outer momentum (it starts at zero).

@@ -12,11 +12,16 @@ needs. Each piece is written once, with its optimizer state cut the same way
 pieces first, each to the owner that has written the fewest bytes so far, so no rank writes much
 more than 1/W of the model (shared tensors spread over all ranks).
 
+With ``sync.mode=local_steps`` owners' copies differ (they train apart between synchronisations,
+and their inner optimizer state is never averaged), so there every owner writes its own copy of
+every piece it holds, the index lists the copies, and a resume with the same plan reads its own.
+
 Resuming on another world size, coverage or masker (a *re-planned* resume) is the same code: the
 new plan is made and validated as for a fresh run, then
 
 - parameters, optimizer state and outer state: each rank reads exactly the pieces of its new units
-  and of the shared tensors, from the files the manifest's index names (bit for bit the saved values);
+  and of the shared tensors, from the files the manifest's index names (bit for bit the saved values;
+  under local steps, the lowest-ranked old owner's copy);
 - buffers (BatchNorm running statistics, per rank as in DDP): a rank whose plan and world size are
   the checkpoint's reads its own copy back; otherwise each buffer piece gets the mean of its old
   owners' copies (float buffers, summed in rank order then divided, as the union model's) or the
@@ -82,11 +87,18 @@ def writers(partition: Partition, plan: MaskPlan) -> dict[str, int]:
     return out
 
 
-def piece_index(partition: Partition, plan: MaskPlan) -> dict[str, dict[str, Any]]:
-    """The manifest's index: piece key -> file, writer, unit (None = shared), shape."""
+def piece_index(partition: Partition, plan: MaskPlan, per_owner: bool = False) -> dict[str, dict[str, Any]]:
+    """The manifest's index: piece key -> file, writer, unit (None = shared), shape; with
+    ``per_owner`` also ``copies`` (rank -> file): every owner wrote its own copy."""
     who = writers(partition, plan)
-    return {item_key(it): {"file": ck.pieces_file(who[item_key(it)]), "writer": who[item_key(it)], "unit": it.unit,
-                           "shape": list(it.shape)} for it in global_items(partition, plan)}
+    out = {}
+    for it in global_items(partition, plan):
+        key = item_key(it)
+        w = min(it.owners) if per_owner else who[key]
+        out[key] = {"file": ck.pieces_file(w), "writer": w, "unit": it.unit, "shape": list(it.shape)}
+        if per_owner:
+            out[key]["copies"] = {str(r): ck.pieces_file(r) for r in it.owners}
+    return out
 
 
 def _cut(t: torch.Tensor, found: tuple[str, int | None, int, int]) -> torch.Tensor:
@@ -96,14 +108,19 @@ def _cut(t: torch.Tensor, found: tuple[str, int | None, int, int]) -> torch.Tens
 
 def pieces_to_write(rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
                     extra: dict[str, dict[str, torch.Tensor]],
-                    optim_state: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+                    optim_state: dict[str, dict[str, Any]], per_owner: bool = False) -> dict[str, torch.Tensor]:
     """The views this rank writes: its pieces' values, outer state (``extra``: prefix -> local name ->
-    tensor of the parameter's local shape) and optimizer state (local name -> state dict)."""
+    tensor of the parameter's local shape) and optimizer state (local name -> state dict).
+
+    ``per_owner``: every owner writes its own copy of every piece it holds (owners' copies differ:
+    ``sync.mode=local_steps`` trains them apart between synchronisations and never averages the
+    inner optimizer state); otherwise only the piece's writer does.
+    """
     who = writers(partition, plan)
     out: dict[str, torch.Tensor] = {}
     for it in global_items(partition, plan):
         key = item_key(it)
-        if who[key] != rank:
+        if (rank not in it.owners) if per_owner else (who[key] != rank):
             continue
         found = index.find(it)
         if found is None:  # the plan says this rank owns it: the model and the plan disagree
@@ -155,21 +172,26 @@ class PieceReader:
                                   "different model or partition (masker.granularity, masker.units_per_layer)")
         return entry
 
-    def file_of(self, key: str) -> ck.TensorFile:
+    def file_of(self, key: str, rank: int | None = None) -> ck.TensorFile:
+        """The file holding ``key``: rank ``rank``'s own copy where every owner wrote one, else the writer's."""
         entry = self._entry(key)
+        copies = entry.get("copies") or {}
+        if rank is not None and str(rank) in copies:
+            return self._open(str(copies[str(rank)]), {"writer": str(rank)})
         return self._open(str(entry["file"]), {"writer": str(entry.get("writer"))})
 
-    def get(self, key: str, prefix: str = "", shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        f = self.file_of(key)
+    def get(self, key: str, prefix: str = "", shape: tuple[int, ...] | None = None,
+            rank: int | None = None) -> torch.Tensor:
+        f = self.file_of(key, rank)
         t = f.get(prefix + key)
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{f.path}: tensor {prefix + key} has shape {tuple(t.shape)}, this model needs "
                                   f"{tuple(shape)}: the checkpoint is from a different model")
         return t
 
-    def kinds(self, key: str) -> dict[str, set[str]]:
+    def kinds(self, key: str, rank: int | None = None) -> dict[str, set[str]]:
         """The optimizer state stored with piece ``key``: {"optim": {...}, "scalar": {...}, "extra": {...}}."""
-        f = self.file_of(key)
+        f = self.file_of(key, rank)
         if f.path.name not in self._kinds:
             table: dict[str, set[str]] = {}
             for k in f.keys():
@@ -188,9 +210,14 @@ class PieceReader:
 
 @torch.no_grad()
 def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
-                extra: dict[str, dict[str, torch.Tensor]]) -> tuple[dict[str, dict[str, torch.Tensor]], set[str]]:
+                extra: dict[str, dict[str, torch.Tensor]],
+                own: bool = False) -> tuple[dict[str, dict[str, torch.Tensor]], set[str]]:
     """Copy this rank's pieces (values and outer state) into its tensors; returns the optimizer
-    state assembled per local parameter (full local shape) and the outer-state prefixes found."""
+    state assembled per local parameter (full local shape) and the outer-state prefixes found.
+
+    ``own`` (same plan and world size): where every owner wrote its copy, this rank's own; otherwise
+    the writer's (the lowest-ranked old owner's)."""
+    mine_only = rank if own else None
     state: dict[str, dict[str, torch.Tensor]] = {}
     kinds_of: dict[str, set[str]] = {}
     found_extra: set[str] = set()
@@ -203,24 +230,24 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
         local = found[0]
         param = index.tensors[local]
         dst = _cut(param, found)
-        dst.copy_(reader.get(key, shape=tuple(dst.shape)))
-        kinds = reader.kinds(key)
+        dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only))
+        kinds = reader.kinds(key, mine_only)
         for prefix in kinds["extra"]:
             if local in extra.get(prefix, {}):
                 found_extra.add(prefix)
-                _cut(extra[prefix][local], found).copy_(reader.get(key, prefix, tuple(dst.shape)))
+                _cut(extra[prefix][local], found).copy_(reader.get(key, prefix, tuple(dst.shape), mine_only))
         held = kinds["optim"] | {SCALAR + k for k in kinds["scalar"]}
         if local in kinds_of and kinds_of[local] != held:
-            raise CheckpointError(f"{reader.file_of(key).path}: piece {key} has optimizer state {sorted(held)}, "
+            raise CheckpointError(f"{reader.file_of(key, mine_only).path}: piece {key} has optimizer state {sorted(held)}, "
                                   f"another piece of the same tensor {sorted(kinds_of[local])}: corrupted")
         kinds_of[local] = held
         mine = state.setdefault(local, {})
         for k in kinds["optim"]:
             if k not in mine:
                 mine[k] = torch.zeros(param.shape, dtype=param.dtype)
-            _cut(mine[k], found).copy_(reader.get(key, f"{OPTIM}{k}/", tuple(dst.shape)))
+            _cut(mine[k], found).copy_(reader.get(key, f"{OPTIM}{k}/", tuple(dst.shape), mine_only))
         for k in kinds["scalar"]:
-            mine.setdefault(k, reader.get(key, f"{SCALAR}{k}/"))  # the same on every piece of a tensor
+            mine.setdefault(k, reader.get(key, f"{SCALAR}{k}/", rank=mine_only))  # the same on every piece of a tensor
     return {n: s for n, s in state.items() if s}, found_extra
 
 
