@@ -325,6 +325,13 @@ class Checkpointer:
                 f"{len(run.partition.units)} {run.partition.granularity}-level units: a resume may change the "
                 "world size, coverage, masker and seed, not the units; use the checkpoint's masker.granularity "
                 "and masker.units_per_layer, or start a new run")
+        resample = int(self.cfg.masker.get("resample_every", 0) or 0)
+        if resample > 0 and (manifest["plan_digest"] != run.plan.digest() or manifest["world_size"] != run.plan.world_size):
+            # The run's plan at set-up is the family's base plan, not the one re-drawn by the step saved.
+            raise CheckpointError(f"{where}: written under mask plan {manifest['plan_digest']} (re-drawn by "
+                                  f"masker.resample_every={resample}), this run starts from plan {run.plan.digest()}: "
+                                  "a run with re-drawn plans resumes only from a checkpoint of its base plan; "
+                                  "resume with masker.resample_every=0 to re-plan from this checkpoint")
 
 
 def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
