@@ -145,12 +145,11 @@ def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: u
 
     for unit in partition.units:
         for s in unit.slices:
-            dst = dst_of(s)
-            dst.copy_(reader.get(units.piece_key(s.name, s.dim, s.start, s.stop), shape=tuple(dst.shape)))
+            reader.read_into(units.piece_key(s.name, s.dim, s.start, s.stop), dst_of(s))
         for s in unit.buffers:
             fill_buffer(s, plan.owners(unit.id))
     for name in partition.shared:
-        target[name].copy_(reader.get(name, shape=tuple(target[name].shape)))
+        reader.read_into(name, target[name])
     for name in partition.shared_buffers:
         fill_buffer(TensorSlice(name), world)
 

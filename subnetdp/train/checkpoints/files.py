@@ -314,6 +314,7 @@ class TensorFile:
             self._f = safe_open(str(path), framework="pt", device="cpu")
             meta = self._f.metadata() or {}
             self._keys = set(self._f.keys())
+            self._offsets: dict[str, tuple[int, dict[str, Any]]] | None = None
         except Exception as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
         expected = {"format": FORMAT, "run_id": manifest["run_id"], "step": str(manifest["step"]), **identity}
@@ -333,6 +334,33 @@ class TensorFile:
             raise CheckpointError(f"{self.path}: lacks the tensor {key} that {MANIFEST} places in it: "
                                   "the checkpoint is corrupted")
         return self._f.get_tensor(key)
+
+    def read_into(self, key: str, dst: torch.Tensor) -> None:
+        """Read tensor ``key`` straight into ``dst`` (a contiguous CPU tensor or view of one): no
+        intermediate copy, so a model is filled from a checkpoint without a second copy of anything."""
+        if not (dst.device.type == "cpu" and dst.is_contiguous()):
+            dst.copy_(self.get(key))
+            return
+        if key not in self._keys:
+            self.get(key)  # raises, naming the file
+        if self._offsets is None:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            self._offsets = {k: (8 + n + v["data_offsets"][0], v) for k, v in header.items() if k != "__metadata__"}
+        start, info = self._offsets[key]
+        if info["shape"] != list(dst.shape) or info["dtype"] != _ST_DTYPES.get(dst.dtype):
+            raise CheckpointError(f"{self.path}: tensor {key} is {info['dtype']} {tuple(info['shape'])}, the model "
+                                  f"needs {_ST_DTYPES.get(dst.dtype)} {tuple(dst.shape)}: the checkpoint is from a "
+                                  "different model")
+        size = info["data_offsets"][1] - info["data_offsets"][0]
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            got = f.readinto(memoryview(dst.detach().reshape(-1).view(torch.uint8).numpy()))
+        if got != size:
+            raise CheckpointError(f"{self.path}: truncated inside tensor {key}")
 
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -180,6 +180,10 @@ class PieceReader:
             return self._open(str(copies[str(rank)]), {"writer": str(rank)})
         return self._open(str(entry["file"]), {"writer": str(entry.get("writer"))})
 
+    def read_into(self, key: str, dst: torch.Tensor) -> None:
+        """Piece ``key``'s value read straight into ``dst`` (the writer's copy)."""
+        self.file_of(key).read_into(key, dst)
+
     def get(self, key: str, prefix: str = "", shape: tuple[int, ...] | None = None,
             rank: int | None = None) -> torch.Tensor:
         f = self.file_of(key, rank)
