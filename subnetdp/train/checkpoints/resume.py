@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -97,7 +96,6 @@ class Checkpointer:
         self.cfg, self.comm, self.rank = run.cfg, run.comm, run.rank
         self.run_id = ""
         self.last_saved: Path | None = None
-        self.save_seconds: float | None = None  # how long the last save took on this rank
 
     # ------------------------------------------------------------------ local tensors
     def _outer(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -132,7 +130,6 @@ class Checkpointer:
         """Write checkpoint ``step``: every rank its pieces and own files, then rank 0 the plan,
         config and manifest (with the index of every piece)."""
         run, comm = self.run, self.comm
-        began = time.perf_counter()
         final = ck.step_dir(run.run_dir, step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
@@ -174,7 +171,6 @@ class Checkpointer:
             ck.prune(run.run_dir, int(self.cfg.checkpoint.keep), final)
         comm.barrier()  # collective: no rank runs ahead of a checkpoint that is not complete yet
         self.last_saved = final
-        self.save_seconds = time.perf_counter() - began
         return final
 
     def _write_rank_files(self, tmp: Path, step: int, pieces: dict[str, torch.Tensor],
