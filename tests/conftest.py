@@ -1,6 +1,34 @@
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+# What one test may leave in its temporary directory. The suite runs on machines with little free
+# disk beside the 6 GB virtual environment: a spawned worker hands back digests and samples, not
+# models, and a run keeps only the checkpoints its test needs.
+TMP_LIMIT_BYTES = 500 * 2**20
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@pytest.fixture(autouse=True)
+def _temporary_directory_stays_small(request, tmp_path):
+    # Depends on tmp_path so that it is measured before tmp_path's own teardown removes it.
+    yield
+    path = tmp_path
+    size = _size(path)
+    assert size <= TMP_LIMIT_BYTES, (f"{request.node.nodeid} left {size / 2**20:.0f} MiB in {path} (limit "
+                                     f"{TMP_LIMIT_BYTES / 2**20:.0f} MiB): hand back digests or samples, not whole models")

@@ -90,13 +90,14 @@ def ddp_reference_params(cfg: Any, rank: int, world_size: int, init_method: str,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from subnetdp.sdp.construct import initial_model
     from subnetdp.train.optim import build_optimizer, build_schedule
 
     pm = plugin_manager()
     data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
     adapter = pm.get("model", cfg.model.name)(cfg.model)
-    torch.manual_seed(int(cfg.seed))
-    model = adapter.build(data.spec())
+    model = initial_model(adapter, data.spec(), int(cfg.seed))  # the union every SDP run starts from
+    torch.manual_seed(int(cfg.seed))  # the RNG state a run trains from (dropout, stochastic depth)
     dist.init_process_group("gloo", init_method=init_method + "-ddp", rank=rank, world_size=world_size)
     try:
         ddp = DDP(model, gradient_as_bucket_view=True)

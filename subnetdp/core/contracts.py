@@ -441,7 +441,24 @@ class ModelAdapter(Plugin, abc.ABC):
 
     @abc.abstractmethod
     def build(self, spec: DataSpec) -> "nn.Module":
-        """Build the full model on CPU (the caller seeds the RNG first)."""
+        """Build the full model. A run builds it under ``torch.device("meta")`` (structure only, no
+        storage) and initialises what a rank holds with :meth:`init_module`; on CPU it also gives a
+        plain, initialised model (the caller seeds the RNG first)."""
+
+    def init_module(self, name: str, module: "nn.Module") -> None:
+        """Initialise ``module``'s own parameters and buffers (not its children's) in place.
+
+        Called once for every module holding a tensor a rank keeps, on a stand-alone copy at full
+        size on CPU whose own tensors are uninitialised (children stay on ``meta``), with torch's
+        global RNG seeded from the run's seed and ``name`` (the module's global name): a tensor's
+        initial value then depends on the seed and its name alone, whatever the world size,
+        coverage or masker. A tensor left uninitialised is an error that names it. The default
+        calls ``module.reset_parameters()`` where the module has one (PyTorch's own initialisation
+        of Linear, Conv, norms, embeddings); adapters override it to follow their architecture.
+        """
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
     @abc.abstractmethod
     def partition(self, model: "nn.Module", granularity: str, spec: DataSpec) -> Partition:

@@ -14,7 +14,7 @@ Where each hook fires in the training loop (``subnetdp.train.loop.train``)::
     subnetdp_on_run_start(run)
     for step in steps:
         forward/backward on own micro-batches -> owner-group gradient averaging -> optimizer step
-        every eval.every steps (and after the last): union model evaluated on rank 0
+        every eval.every steps (and after the last): union model streamed from the owners, evaluated on every rank
             subnetdp_on_eval_end(run, step, metrics)
         subnetdp_on_step_end(run, step, metrics)
         every checkpoint.every steps and at the end: checkpoint saved (manifest last)
@@ -110,7 +110,8 @@ def subnetdp_on_eval_end(run: "Run", step: int, metrics: dict[str, Any]) -> None
 
     :param run: the running :class:`~subnetdp.train.loop.Run`.
     :param step: the step after which the evaluation ran.
-    :param metrics: the adapter's eval metrics (``accuracy``, ``loss`` ...); empty on ranks > 0.
+    :param metrics: the adapter's eval metrics (``accuracy``, ``loss`` ...), the same on every rank
+        (every rank evaluates the same batches; lm-eval task scores, ``eval.tasks``, on rank 0 only).
 
     Called on every rank after each evaluation. The result is ignored.
     """

@@ -38,7 +38,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         # that storage is either counted already or part of the baseline.
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+            # A meta tensor has a size but no memory (a skeleton model built on the meta device).
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage()._cdata not in inputs:
                 self._track(t)
         return out
 

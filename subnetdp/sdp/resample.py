@@ -89,17 +89,18 @@ class Resampler:
         """
         import torch
 
+        from subnetdp.core.errors import SubnetdpError
+        from subnetdp.sdp.construct import meta_model, poison, poisoned, to_empty
         from subnetdp.sdp.pieces import LocalIndex, global_items
         from subnetdp.sdp.variants import local_model
 
         new_plan = draw(self.base, self.partition, self.seed, step // self.every, group_by_of(self.mcfg))
-        torch.manual_seed(self.seed)
-        full = self.adapter.build(self.spec)  # structure only; every value is overwritten below
-        new_model, new_pmap = local_model(self.adapter, full, new_plan.owned[self.comm.rank], self.partition,
-                                          self.mcfg)
-        del full
         device = next(model.parameters()).device
-        new_model.to(device)
+        with torch.device("meta"):  # structure only: every value is received or copied below
+            new_model, new_pmap = local_model(self.adapter, meta_model(self.adapter, self.spec),
+                                              new_plan.owned[self.comm.rank], self.partition, self.mcfg)
+        to_empty(new_model, device)
+        poison(new_model)  # so a tensor the loop below leaves unset is an error, not garbage
         old_index, new_index = LocalIndex(model, pmap), LocalIndex(new_model, new_pmap)
         rank = self.comm.rank
         with torch.no_grad():
@@ -107,7 +108,9 @@ class Resampler:
                 old = item.owners
                 new = old if item.unit is None else new_plan.owners(item.unit)
                 if set(new) <= set(old):
-                    if rank in new:
+                    # Nobody new: a holder keeps its own copy (with backward masking every rank holds
+                    # every piece, owned or not, so the model it runs stays the current one).
+                    if new_index.holds(item):
                         new_index.view(item).copy_(old_index.view(item))
                     continue
                 dtype = self.partition.dtypes[item.name]
@@ -115,6 +118,9 @@ class Resampler:
                        else torch.empty(item.shape, dtype=dtype, device=device))
                 # collective: every rank joins the broadcast of a piece that changes hands.
                 self.comm.broadcast(buf, old[0])
-                if rank in new:
+                if new_index.holds(item):
                     new_index.view(item).copy_(buf)
+        unset = poisoned(new_model)
+        if unset:
+            raise SubnetdpError(f"re-drawing the plan at step {step} left {unset[:3]} of rank {rank}'s new model unset")
         return new_model, new_pmap, new_plan

@@ -29,8 +29,9 @@ from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.step import train_step
 from subnetdp.core.branches import fold_branch_scales
-from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate
-from subnetdp.sdp.variants import is_backward, local_model, partition_model
+from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate, evaluate_union
+from subnetdp.sdp.construct import build_local, meta_model
+from subnetdp.sdp.variants import is_backward, partition_model
 
 
 def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
@@ -72,9 +73,10 @@ def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Dat
     adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
     masker: Masker = regs["masker"].create(cfg.masker.name, cfg.masker)
     replicas = config_mod.check_world(cfg, world_size)  # fsdp.shard_size must divide the world
-    # Every rank builds the same full model on CPU from the seed, then keeps only its subnetwork.
+    # The full model exists only on the meta device (shapes, no storage): the partition, the units'
+    # FLOPs and the plan come from it; a rank materialises its own units in setup().
     torch.manual_seed(int(cfg.seed))
-    full = adapter.build(spec)
+    full = meta_model(adapter, spec)
     partition = partition_model(adapter, full, cfg.masker, spec)
     # With FSDP the plan is made over the replicas; the S ranks of a replica own the same units.
     plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners))
@@ -114,9 +116,9 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)
     lock = lock_run_dir(run_dir, comm)
-    model, pmap = local_model(adapter, full, plan.owned[env.rank], partition, cfg.masker)
-    del full  # forward masking: frees the tensors of units this rank does not own
-    model.to(comm.device)
+    # Owner-local: only this rank's units and the shared tensors get storage, each initialised from
+    # the seed and its global name (backward masking holds the whole model by definition).
+    model, pmap = build_local(adapter, full, plan.owned[env.rank], partition, cfg.masker, int(cfg.seed), comm.device)
     run = Run(cfg, env, comm, adapter, data, spec, partition, plan, model, pmap, run_dir, lock=lock)
     run.downstream = tasks
     from subnetdp.parallel.apply import parallelize
@@ -270,7 +272,7 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
             _log_step(run, log, meter, bar, step, losses, out.grad_norm)  # collective: the world's mean loss
             losses = []
         if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
-            run.eval_metrics = _evaluate(run, log, step)  # collective: the union model is assembled on rank 0
+            run.eval_metrics = _evaluate(run, log, step)  # collective: the union model streams through every rank
             pm.hook.subnetdp_on_eval_end(run=run, step=step, metrics=run.eval_metrics)
         pm.hook.subnetdp_on_step_end(run=run, step=step, metrics=metrics)
         ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
@@ -401,44 +403,50 @@ def _probe(run: Run, log: RunLogger, meter: Meter, step: int) -> Any:
 
 
 def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
-    """Assemble the union model on rank 0 and evaluate it there. Collective.
+    """Evaluate the union model on every rank, streamed from the owners (never assembled). Collective.
 
-    Block-level forward masking with ``eval.block_union=rescaled``: every residual branch is scaled
-    by its training keep rate first. With ``eval.breakdown``, the last evaluation also reports the
-    union at x1 and rescaled and every rank's own subnetwork, on the same validation batches.
+    Every rank evaluates the same batches and gets the same metrics (rank 0 logs them). Block-level
+    forward masking with ``eval.block_union=rescaled``: every residual branch is scaled by its training
+    keep rate. With ``eval.breakdown``, the last evaluation also reports the union at x1 and rescaled
+    and every rank's own subnetwork, on the same validation batches. lm-eval tasks (``eval.tasks``)
+    run in one process, on a union assembled on rank 0.
     """
     cfg = run.cfg
     block_forward = run.partition.granularity == "block" and not is_backward(cfg.masker)
     breakdown = bool(cfg.eval.breakdown) and block_forward and step == int(cfg.train.steps) and not run.parallel.sharded
-    # collective when sharded: full parameters for the assembly; evaluation traffic is not a step's.
-    with run.parallel.gathered(), run.comm.bytes.phase("eval"):
-        own = _own_subnetworks(run) if breakdown else None  # collective: every rank evaluates its own
-        union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan,
-                               run.model, run.pmap, run.comm)
-    if union is None:
-        return {}
     rates = branch_keep_rates(run.partition, run.plan) if block_forward else {}
     mode = str(cfg.eval.block_union)
     run.eval_union = {"block_union": mode, "rescaled": bool(rates) and mode == "rescaled",
                       "branch_keep_rates": rates}
-    if breakdown:
-        x1 = evaluate(union, run.adapter, run.data, cfg)
-        fold_branch_scales(run.adapter.branch_output_layers(union), rates)
-        rescaled = evaluate(union, run.adapter, run.data, cfg)
-        metrics = rescaled if mode == "rescaled" else x1
-        run.eval_union.update({"step": step, "union_x1": x1, "union_rescaled": rescaled, "own_subnetworks": own})
-        log.jsonl({"step": step, "eval_union": run.eval_union})
-    else:
-        if run.eval_union["rescaled"]:
-            fold_branch_scales(run.adapter.branch_output_layers(union), rates)
-        metrics = evaluate(union, run.adapter, run.data, cfg)
-    if step < int(run.cfg.train.steps):  # the final evaluation is in the summary
+
+    def union_metrics(scales: dict[str, float]) -> dict[str, float]:
+        # collective: every rank streams the union's units from their owners, batch by batch.
+        return evaluate_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model,
+                              run.pmap, run.comm, run.data, cfg, scales)
+
+    # collective when sharded: full parameters while the union streams; evaluation traffic is not a step's.
+    with run.parallel.gathered(), run.comm.bytes.phase("eval"):
+        own = _own_subnetworks(run) if breakdown else None  # collective: every rank evaluates its own
+        if breakdown:
+            x1, rescaled = union_metrics({}), union_metrics(rates)
+            metrics = dict(rescaled if mode == "rescaled" else x1)
+            run.eval_union.update({"step": step, "union_x1": x1, "union_rescaled": rescaled, "own_subnetworks": own})
+            log.jsonl({"step": step, "eval_union": run.eval_union})
+        else:
+            metrics = union_metrics(rates if run.eval_union["rescaled"] else {})
+        union = None
+        if run.downstream is not None:  # collective: lm-eval needs the whole union in one process
+            union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan,
+                                   run.model, run.pmap, run.comm)
+    if step < int(run.cfg.train.steps) and run.rank == 0:  # the final evaluation is in the summary
         from tqdm import tqdm
 
         tqdm.write(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     log.scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
     log.jsonl({"step": step, **{f"eval/{k}": v for k, v in metrics.items()}})
-    if run.downstream is not None:
+    if union is not None:
+        if run.eval_union["rescaled"]:
+            fold_branch_scales(run.adapter.branch_output_layers(union), rates)
         metrics.update(_evaluate_tasks(run, union, log, step))
     return metrics
 
@@ -448,7 +456,7 @@ def _own_subnetworks(run: Run) -> list[dict[str, Any]]:
     import copy
 
     mine = {"rank": run.rank, "owned": run.plan.owned[run.rank],
-            "metrics": evaluate(copy.deepcopy(run.model), run.adapter, run.data, run.cfg)}
+            "metrics": evaluate(copy.deepcopy(run.model), run.adapter, run.data, run.cfg, device=run.comm.device)}
     run.model.train()
     # collective: every rank reaches this at the last evaluation.
     return run.comm.all_gather_object(mine)

@@ -18,6 +18,7 @@ import torch
 
 from subnetdp import cli
 from subnetdp.sdp.backward import apply_backward_masking
+from subnetdp.sdp.construct import initial_model
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
@@ -235,8 +236,7 @@ def _check_resampled(results: list[dict], variant: str) -> None:
     pm = plugin_manager()
     data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
     adapter = pm.get("model", cfg.model.name)(cfg.model)
-    torch.manual_seed(int(cfg.seed))
-    initial = dict(adapter.build(data.spec()).named_parameters())
+    initial = dict(initial_model(adapter, data.spec(), int(cfg.seed)).named_parameters())
     for res in results:
         assert res["params"]
         for (name, dim, start, stop), value in res["params"].items():

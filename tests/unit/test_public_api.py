@@ -160,6 +160,7 @@ FROZEN_API: dict[str, list[str]] = {
         "has_hf_export(cls) -> 'bool'",
         'hf_export(self, model: "\'nn.Module\'", options: \'dict[str, Any]\', bos: \'Optional[int]\' = None, eos: \'Optional[int]\' = None) -> "tuple[dict[str, Any], dict[str, \'torch.Tensor\']]"',
         'hidden_sites(self, model: "\'nn.Module\'") -> \'list[Any]\'',
+        'init_module(self, name: \'str\', module: "\'nn.Module\'") -> \'None\'',
         "inputs(self, batch: 'Any') -> 'Any'",
         'loss(self, output: \'Any\', batch: \'Any\') -> "\'torch.Tensor\'"',
         'materialize(self, model: "\'nn.Module\'", owned: \'Sequence[int]\', partition: \'Partition\') -> "tuple[\'nn.Module\', ParamMap]"',

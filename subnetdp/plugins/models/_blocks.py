@@ -32,7 +32,8 @@ def measure_module_flops(model: nn.Module, spec: DataSpec, default_size: int) ->
         module name (as in ``model.named_modules()``) -> FLOPs; the root appears under its class name.
     """
     size = spec.image_size or default_size
-    x = torch.zeros(1, spec.in_channels or 3, size, size)
+    # On the model's device: a model on ``meta`` is measured without computing anything.
+    x = torch.zeros(1, spec.in_channels or 3, size, size, device=next(model.parameters()).device)
     counter = FlopCounterMode(display=False)
     was_training = model.training
     model.eval()

@@ -34,6 +34,8 @@ down); everything else is shared. See :mod:`subnetdp.plugins.models.llama.neuron
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -156,6 +158,18 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+@torch.no_grad()
+def init_tensor(name: str, p: torch.Tensor, a: LlamaArgs) -> None:
+    """LLaMA's initialisation of the tensor called ``name``: norms 1, weights Normal(0, init_std), the
+    projections back into the residual stream (``wo``, ``w2``) with std / sqrt(2 * n_layers)."""
+    if p.dim() < 2:
+        nn.init.ones_(p)
+    elif name.endswith(("wo.weight", "w2.weight")):
+        nn.init.normal_(p, std=a.init_std / math.sqrt(2 * a.n_layers))
+    else:
+        nn.init.normal_(p, std=a.init_std)
+
+
 class Llama(nn.Module):
     """The reference model: ``Llama(LlamaArgs(...))(tokens)`` gives next-token logits ``(B, T, V)``."""
 
@@ -173,14 +187,8 @@ class Llama(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Normal(0, 0.02) weights; the projections back into the residual stream scaled by 1/sqrt(2L)."""
-        std = self.args.init_std
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, std=std / math.sqrt(2 * self.args.n_layers))
-            else:
-                nn.init.normal_(p, std=std)
+            init_tensor(name, p, self.args)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
         """Logits ``(B, T, V)``; with ``targets`` and ``loss_chunk > 0``, the mean next-token cross
@@ -266,7 +274,14 @@ class LlamaAdapter(ModelAdapter):
                          base.norm_eps, float(self.cfg.init_std))
 
     def build(self, spec: DataSpec) -> nn.Module:
-        return self.regularize(Llama(self.args(spec)))
+        self._init_args = self.args(spec)
+        return self.regularize(Llama(self._init_args))
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Each tensor as :meth:`Llama.reset_parameters` initialises it (by its global name)."""
+        prefix = f"{name}." if name else ""
+        for pname, p in module.named_parameters(recurse=False):
+            init_tensor(prefix + pname, p, self._init_args)
 
     def residual_branches(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         """A block's two residual branches: the attention and the SwiGLU MLP."""
@@ -317,11 +332,14 @@ class LlamaAdapter(ModelAdapter):
 
         block = next(iter(model.layers.values()))
         seq = spec.seq_len or model.args.max_seq_len
-        fake = detect_fake_mode(list(block.parameters())) or FakeTensorMode(allow_non_fake_inputs=True)
+        device = next(block.parameters()).device
+        meta = device.type == "meta"  # a model on meta is measured as it is: nothing is computed either
+        fake = contextlib.nullcontext() if meta else (detect_fake_mode(list(block.parameters()))
+                                                       or FakeTensorMode(allow_non_fake_inputs=True))
         counter = FlopCounterMode(display=False)
         with fake, torch.no_grad(), counter:
-            x = torch.zeros(1, seq, model.args.dim)
-            cos, sin = rotary_tables(seq, model.args.head_dim, model.args.rope_theta)
+            x = torch.zeros(1, seq, model.args.dim, device=device if meta else None)
+            cos, sin = rotary_tables(seq, model.args.head_dim, model.args.rope_theta, device if meta else None)
             block(x, cos, sin)
         return float(counter.get_total_flops())
 

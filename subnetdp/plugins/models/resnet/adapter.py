@@ -89,6 +89,22 @@ class ResNetAdapter(ModelAdapter):
             raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
                               + suggest(cfg.variant, VARIANTS))
 
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """torchvision's ResNet initialisation, module by module: convolutions Kaiming-normal (fan out),
+        BatchNorm weight 1 and bias 0 (0 for a residual branch's last BatchNorm with
+        ``zero_init_residual``), the classifier PyTorch's default."""
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (nn.BatchNorm2d, nn.GroupNorm)):
+            module.reset_parameters()  # weight 1, bias 0, fresh running statistics
+            last = "bn3" if self.cfg.variant == "resnet50" else "bn2"
+            if self.cfg.zero_init_residual and name.startswith("layer") and name.endswith(f".{last}"):
+                nn.init.zeros_(module.weight)
+        else:
+            super().init_module(name, module)
+
     def build(self, spec: DataSpec) -> nn.Module:
         return self.regularize(build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
                                                bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual)))

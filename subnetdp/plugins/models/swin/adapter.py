@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
 from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
@@ -147,6 +147,20 @@ class SwinAdapter(ModelAdapter):
                               f"would stack on torchvision's own stochastic depth (model.stochastic_depth_prob="
                               f"{arch['stochastic_depth_prob']:g} from variant {cfg.variant})",
                               "set model.stochastic_depth_prob=0 (model.stochastic_depth is the same rate on every block)")
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """torchvision's Swin initialisation, module by module: every Linear truncated-normal (std 0.02)
+        with zero bias, the relative-position bias tables likewise, the position index computed, the
+        rest (LayerNorm, the patch-embedding convolution) PyTorch's default."""
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, ShiftedWindowAttention):
+            nn.init.trunc_normal_(module.relative_position_bias_table, std=0.02)
+            module.define_relative_position_index()
+        else:
+            super().init_module(name, module)
 
     def build(self, spec: DataSpec) -> nn.Module:
         return self.regularize(build_reference(spec.num_classes, spec.in_channels or 3, **architecture(self.cfg)))

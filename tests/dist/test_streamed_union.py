@@ -1,0 +1,82 @@
+"""The streamed union (never assembled) gives the assembled union's metrics, and rank 0's tensor peak
+while it streams stays below its own state plus one block's unit parameters plus the evaluation's
+activations (2 gloo ranks, ResNet-18 on digits: block level at C = 0.5 rescaled and x1, neuron level
+at C = 0.75 so some units have two owners whose BatchNorm statistics are averaged; both with
+BatchNorm recalibration)."""
+
+from __future__ import annotations
+
+from subnetdp.core.branches import fold_branch_scales
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
+from subnetdp.sdp.union import StreamedUnion, assemble_union, evaluate, evaluate_union, union_branch_scales
+from subnetdp.train.loop import setup, train_loop
+from tests.helpers import plugin_manager, run_ranks, small_config
+
+CAL, EVAL = 2, 2  # recalibration batches, evaluation batches: 4 forwards per evaluation
+
+
+def _one(rank: int, world: int, init_method: str, name: str, *overrides: str) -> dict:
+    pm = plugin_manager()
+    env = LaunchEnv(rank, world, rank, world, "test")
+    cfg = small_config("train.steps=2", "train.batch_size=8", "eval.batch_size=64", f"eval.batches={EVAL}",
+                       f"eval.bn_recalibrate_batches={CAL}", f"comm.init_method={init_method}-{name}",
+                       f"run.name={name}", *overrides, run_dir=init_method.removeprefix("file://") + "-runs")
+    run = setup(cfg, env, pm)
+    out: dict = {}
+    try:
+        train_loop(run, pm)  # the last step's evaluation is the loop's: streamed
+        out["loop"] = dict(run.eval_metrics)
+        args = (run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model, run.pmap, run.comm)
+        scales = union_branch_scales(cfg, run.partition, run.plan)
+        out["rates"] = scales
+        out["x1"] = evaluate_union(*args, run.data, cfg, {})  # collective
+        state = live_state_bytes(training_state_tensors(run.model, run.optimizer, run.averager.state_tensors()))
+        with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
+                           scales) as probe:
+            out["block_bytes"], out["staging"], resident = probe.block_bytes, probe.staging_bytes, probe.resident_bytes
+        with TensorMemoryTracker(state) as tracker:
+            with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
+                               scales) as union:  # collective
+                out["streamed"] = evaluate(union.module, run.adapter, run.data, cfg, device=run.comm.device)
+        out["fetched"], out["state"], out["resident"], out["peak"] = union.fetched_bytes, state, resident, tracker.peak
+        unit_bytes = sum(run.partition.unit_numel(u) for u in run.partition.units) * 4
+        buffer_bytes = sum(t.numel() * t.element_size() for t in union.module.buffers())
+        out["expected_fetch"] = (CAL + EVAL) * unit_bytes + buffer_bytes
+        assembled = assemble_union(*args)  # collective: the reference, on rank 0
+        if assembled is not None:
+            out["full_bytes"] = live_state_bytes(list(assembled.parameters()) + list(assembled.buffers()))
+            out["assembled_x1"] = evaluate(assembled, run.adapter, run.data, cfg)
+            fold_branch_scales(run.adapter.branch_output_layers(assembled), scales)
+            with TensorMemoryTracker() as acts:  # the evaluation's own tensors: activations, outputs
+                out["assembled"] = evaluate(assembled, run.adapter, run.data, cfg)
+            out["activations"] = acts.peak
+    finally:
+        run.comm.shutdown()
+    return out
+
+
+def _worker(rank: int, world: int, init_method: str) -> dict:
+    return {"block": _one(rank, world, init_method, "block", "masker.coverage=0.5"),
+            "neuron": _one(rank, world, init_method, "neuron", "masker.granularity=neuron", "masker.coverage=0.75",
+                           "masker.units_per_layer=4")}
+
+
+def test_streamed_union_equals_assembled_and_stays_small(tmp_path):
+    r0, r1 = run_ranks(_worker, 2, tmp_path, timeout=300)
+    assert r0["block"]["rates"] and not r0["neuron"]["rates"]  # block level is rescaled by default
+    for level in ("block", "neuron"):
+        a, b = r0[level], r1[level]
+        # The same arithmetic on the same tensors: the metrics are equal, not merely close ...
+        assert a["streamed"] == a["assembled"] == a["loop"], level
+        assert a["x1"] == a["assembled_x1"], level
+        # ... on every rank, since every rank evaluates the same batches.
+        assert b["streamed"] == a["streamed"] and b["loop"] == a["loop"] and b["x1"] == a["x1"], level
+        # Bytes: every buffer once, every unit parameter once per forward.
+        assert a["fetched"] == b["fetched"] == a["expected_fetch"], level
+        # Memory: own training state + one block's unit parameters (with its one staging piece) + every
+        # buffer (resident: recalibration accumulates across batches) + the evaluation's activations.
+        bound = a["state"] + a["block_bytes"] + a["staging"] + a["resident"] + a["activations"]
+        assert a["state"] + a["block_bytes"] + a["resident"] <= a["peak"] <= bound, (level, a["peak"], bound)
+        assert a["block_bytes"] + a["staging"] + a["resident"] < a["full_bytes"] / 2, level  # well below the union
+    assert r0["block"]["streamed"] != r0["block"]["x1"]  # the rescaled union is a different model
