@@ -36,6 +36,8 @@ from subnetdp.train.checkpoints import units
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSlice
 from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.construct import meta_model, poison, poisoned, to_empty
+from subnetdp.sdp.variants import partition_model
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.branches import fold_branch_scales
 from subnetdp.sdp.union import evaluate, recalibrate_batchnorm, union_branch_scales
@@ -166,11 +168,16 @@ def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence
     cfg = _config(ckpt, manifest, pm, data)
     adapter = pm.registries["model"].get(cfg.model.name)(cfg.model)
     spec = DataSpec(**manifest["data_spec"])
-    torch.manual_seed(int(cfg.seed))
-    model = adapter.build(spec)
-    partition = adapter.partition(model, str(cfg.masker.granularity), spec)
+    # Built once, on meta (structure only), then given storage: every tensor is read from the pieces.
+    model = meta_model(adapter, spec)
+    partition = partition_model(adapter, model, cfg.masker, spec)
     plan = _plan(ckpt, manifest, partition)
+    to_empty(model, "cpu")
+    poison(model)
     fill_union(model, partition, plan, units.PieceReader(ckpt, manifest))
+    unset = poisoned(model)
+    if unset:
+        raise CheckpointError(f"{ckpt}: holds no value for {unset[:3]} of the union model: the checkpoint is incomplete")
     # eval.block_union=rescaled: the union the run evaluated, with each branch x its keep rate.
     scales = union_branch_scales(cfg, partition, plan)
     fold_branch_scales(adapter.branch_output_layers(model), scales)
