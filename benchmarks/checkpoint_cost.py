@@ -73,7 +73,8 @@ def main() -> None:
             loads.append(time.perf_counter() - t0)
         sizes = {n: e["bytes"] for n, e in manifest["files"].items()}
     row = {"params": sum(p.numel() for p in run.model.parameters()), "optimizer": str(cfg.optim.name),
-           "rank_bytes": sizes["rank_0.safetensors"] + sizes["rank_0.state.pt"],
+           # one rank: it writes every piece (pieces_0), its buffers (rank_0) and its state
+           "rank_bytes": sum(n for f, n in sizes.items() if f.endswith((".safetensors", ".pt"))),
            "step_s": statistics.median(steps), "save_s": statistics.median(saves),
            "verify_s": statistics.median(verifies), "load_s": statistics.median(loads)}
     row["save_over_step"] = row["save_s"] / row["step_s"]

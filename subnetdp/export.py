@@ -8,10 +8,13 @@ Everything here runs in one process, without a process group::
     import subnetdp.export
     model = subnetdp.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
 
-The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run: each
-unit's parameters from ``min(owners)`` (per ``plan.json``), float buffers averaged among the owners,
-integer buffers from ``min(owners)``; shared tensors from rank 0, shared float buffers averaged over
-all ranks. With block-level forward masking and ``eval.block_union=rescaled`` (the default) each
+The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run, one
+piece at a time from the files the manifest's index names (:func:`fill_union`): every parameter
+piece is stored once (all its owners held the same values), float buffers are averaged among the
+owners' own copies, integer buffers taken from ``min(owners)`` (per ``plan.json``), shared float
+buffers averaged over all ranks. The model is built once and filled in place; export writes it
+tensor by tensor (:func:`~subnetdp.train.checkpoints.files.save_safetensors`), so no second copy of
+the model is ever held. With block-level forward masking and ``eval.block_union=rescaled`` (the default) each
 residual branch is then scaled by its training keep rate, folded into the branch's last affine
 layer, as the in-run evaluation does (``reference.json`` lists the scales). Export then recalibrates BatchNorm statistics on ``eval.bn_recalibrate_batches`` training
 batches, as the in-run evaluation does, so the exported model scores the run's metric exactly.
@@ -29,9 +32,12 @@ import torch
 from torch import nn
 
 from subnetdp.train.checkpoints import files as ck
+from subnetdp.train.checkpoints import units
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSlice
 from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.construct import meta_model, poison, poisoned, to_empty
+from subnetdp.sdp.variants import partition_model
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.branches import fold_branch_scales
 from subnetdp.sdp.union import evaluate, recalibrate_batchnorm, union_branch_scales
@@ -108,39 +114,46 @@ def _plan(ckpt: Path, manifest: dict[str, Any], partition: Partition) -> MaskPla
     return plan
 
 
-class _Shards:
-    """Every rank's tensors, looked up by (rank, global region)."""
+@torch.no_grad()
+def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: units.PieceReader) -> None:
+    """Copy a checkpoint's union into ``model``, one piece at a time (nothing else is held).
 
-    def __init__(self, ckpt: Path, manifest: dict[str, Any]) -> None:
-        self.files = [ckpt / ck.rank_files(r)[0] for r in range(int(manifest["world_size"]))]
-        self.shards = [ck.read_tensors(ck.verify_file(ckpt, f.name, manifest), manifest, r)
-                       for r, f in enumerate(self.files)]
+    Parameters: each piece once, from the file the index names (every owner held the same values).
+    Buffers: float ones averaged over the owners' copies (summed in rank order, then divided, as the
+    in-run all-reduce does), integer ones from ``min(owners)``; shared buffers over all ranks.
+    """
+    target = dict(model.named_parameters())
+    target.update(dict(model.named_buffers()))
+    world = tuple(range(plan.world_size))
 
-    def region(self, rank: int, name: str, dim: int | None, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
-        tensors, slices = self.shards[rank]
-        if name in tensors:
-            whole = tensors[name]
-            if tuple(whole.shape) != tuple(shape):
-                raise CheckpointError(f"{self.files[rank]}: {name} has shape {tuple(whole.shape)}, the model "
-                                      f"needs {tuple(shape)}: the checkpoint is from a different model")
-            return whole if dim is None else whole.narrow(dim, start, stop - start)
-        if dim is None:
-            dim, start, stop = 0, 0, shape[0]
-        out_shape = list(shape)
-        out_shape[dim] = stop - start
-        out, covered = None, 0
-        for key, (gname, pdim, pstart, pstop) in slices.items():
-            lo, hi = max(start, pstart), min(stop, pstop)
-            if gname != name or pdim != dim or lo >= hi:
-                continue
-            if out is None:
-                out = torch.empty(out_shape, dtype=tensors[key].dtype)
-            out.narrow(dim, lo - start, hi - lo).copy_(tensors[key].narrow(dim, lo - pstart, hi - lo))
-            covered += hi - lo
-        if out is None or covered != stop - start:
-            raise CheckpointError(f"{self.files[rank]}: lacks {name}[{start}:{stop}] along dim {dim}, which "
-                                  f"plan.json says rank {rank} owns")
-        return out
+    def dst_of(s: Any) -> torch.Tensor:
+        return target[s.name] if s.dim is None else target[s.name].narrow(s.dim, s.start, s.stop - s.start)
+
+    def fill_buffer(s: Any, owners: tuple[int, ...]) -> None:
+        dst = dst_of(s)
+        sources = owners if dst.dtype.is_floating_point else owners[:1]
+        key = units.piece_key(s.name, s.dim, s.start, s.stop)
+        value = None
+        for r in sources:
+            f = reader.rank_buffers(r)
+            t = f.get(key)
+            if tuple(t.shape) != tuple(dst.shape):
+                raise CheckpointError(f"{f.path}: {key} has shape {tuple(t.shape)}, the model needs "
+                                      f"{tuple(dst.shape)}: the checkpoint is from a different model")
+            value = t.clone() if value is None else value.add_(t)
+        if len(sources) > 1:
+            value /= len(sources)
+        dst.copy_(value.to(dst.dtype))
+
+    for unit in partition.units:
+        for s in unit.slices:
+            reader.read_into(units.piece_key(s.name, s.dim, s.start, s.stop), dst_of(s))
+        for s in unit.buffers:
+            fill_buffer(s, plan.owners(unit.id))
+    for name in partition.shared:
+        reader.read_into(name, target[name])
+    for name in partition.shared_buffers:
+        fill_buffer(TensorSlice(name), world)
 
 
 @torch.no_grad()
@@ -155,36 +168,16 @@ def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence
     cfg = _config(ckpt, manifest, pm, data)
     adapter = pm.registries["model"].get(cfg.model.name)(cfg.model)
     spec = DataSpec(**manifest["data_spec"])
-    torch.manual_seed(int(cfg.seed))
-    model = adapter.build(spec)
-    partition = adapter.partition(model, str(cfg.masker.granularity), spec)
+    # Built once, on meta (structure only), then given storage: every tensor is read from the pieces.
+    model = meta_model(adapter, spec)
+    partition = partition_model(adapter, model, cfg.masker, spec)
     plan = _plan(ckpt, manifest, partition)
-    shards = _Shards(ckpt, manifest)
-    target = dict(model.named_parameters())
-    target.update(dict(model.named_buffers()))
-    world = tuple(range(plan.world_size))
-
-    def fill(s: Any, owners: tuple[int, ...], average: bool) -> None:
-        shape = partition.shapes[s.name]
-        sources = owners if average else owners[:1]
-        value = shards.region(sources[0], s.name, s.dim, s.start, s.stop, shape).clone()
-        for r in sources[1:]:  # summed in rank order, then divided, as the in-run all-reduce does
-            value += shards.region(r, s.name, s.dim, s.start, s.stop, shape)
-        if average:
-            value /= len(sources)
-        dst = target[s.name] if s.dim is None else target[s.name].narrow(s.dim, s.start, s.stop - s.start)
-        dst.copy_(value.to(dst.dtype))
-
-    for unit in partition.units:
-        owners = plan.owners(unit.id)
-        for s in unit.slices:
-            fill(s, owners, average=False)
-        for s in unit.buffers:
-            fill(s, owners, average=partition.dtypes[s.name].is_floating_point)
-    for name in partition.shared:
-        fill(TensorSlice(name), world, average=False)
-    for name in partition.shared_buffers:
-        fill(TensorSlice(name), world, average=partition.dtypes[name].is_floating_point)
+    to_empty(model, "cpu")
+    poison(model)
+    fill_union(model, partition, plan, units.PieceReader(ckpt, manifest))
+    unset = poisoned(model)
+    if unset:
+        raise CheckpointError(f"{ckpt}: holds no value for {unset[:3]} of the union model: the checkpoint is incomplete")
     # eval.block_union=rescaled: the union the run evaluated, with each branch x its keep rate.
     scales = union_branch_scales(cfg, partition, plan)
     fold_branch_scales(adapter.branch_output_layers(model), scales)
@@ -225,8 +218,6 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
             batches first, as the run's own evaluation does.
         data: ``data.key=value`` overrides naming the recalibration data instead of the checkpoint's.
     """
-    from safetensors.torch import save_file
-
     pm = pm or PluginManager()
     loaded = load_union(path, pm, data)
     cfg, model = loaded.cfg, loaded.model
@@ -238,13 +229,13 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
     if n_cal > 0:
         batches = iter(_data(loaded, pm).train_loader(0, 1, int(cfg.train.batch_size)))
         n_cal = recalibrate_batchnorm(model, batches, n_cal, loaded.adapter.inputs)
+    # The model's own tensors (views): written one at a time, never copied as a whole.
     state = loaded.adapter.reference_state_dict(model)
-    state = {k: v.detach().contiguous().clone() for k, v in state.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "run_id": loaded.manifest["run_id"],
             "step": str(loaded.manifest["step"])}
-    ck.write_atomic(out / "model.safetensors", lambda p: save_file(state, str(p), metadata=meta))
+    ck.write_atomic(out / "model.safetensors", lambda p: ck.save_safetensors(p, state, meta))
     info = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "options": options,
             "checkpoint": str(loaded.path), "run_id": loaded.manifest["run_id"], "step": loaded.manifest["step"],
             "bn_recalibrated_batches": n_cal, "branch_scales_folded": loaded.branch_scales,

@@ -125,6 +125,23 @@ class Parallelism:
 
             state_from_local(optimizer)
 
+    def optimizer_state_full(self, optimizer: torch.optim.Optimizer) -> list[dict]:
+        """Each optimizer parameter's state (in the optimizer's order), sharded state gathered to
+        full tensors. Collective over each shard group when sharded."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.sharded:
+            return [optimizer.state.get(p, {}) for p in params]
+        from subnetdp.parallel.fsdp import state_full
+
+        return state_full(optimizer)
+
+    def optimizer_state_from_full(self, optimizer: torch.optim.Optimizer) -> None:
+        """After loading full-shaped state (:meth:`optimizer_state_full`): each rank keeps its shards."""
+        if self.sharded:
+            from subnetdp.parallel.fsdp import state_from_full
+
+            state_from_full(optimizer)
+
     def describe(self) -> dict[str, Any]:
         sync = self.synchroniser.describe() if self.synchroniser is not None else {"sync_mode": "every_step"}
         return {"fsdp_shard_size": self.shard_size, "precision": self.precision,

@@ -116,6 +116,31 @@ def state_from_local(optimizer: torch.optim.Optimizer) -> None:
                                                                shape=p.shape, stride=p.stride(), run_check=False)
 
 
+def state_full(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Every parameter's optimizer state with sharded tensors gathered (in the optimizer's order).
+
+    Collective: the ranks of a shard group hold the same parameters in the same order.
+    """
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.append({k: v.full_tensor() if isinstance(v, DTensor) else v
+                        for k, v in optimizer.state.get(p, {}).items()})
+    return out
+
+
+def state_from_full(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of full-shaped state: each rank cuts its own shards (no traffic)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+                    optimizer.state[p][k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
+                                                              src_data_rank=None)
+
+
 class CollectiveBytes(TorchDispatchMode):
     """Counts the payload of FSDP's all-gathers and reduce-scatters as they are dispatched.
 

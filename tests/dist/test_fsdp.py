@@ -58,11 +58,15 @@ def _two_ranks(rank: int, world: int, init_method: str, cache: str) -> dict:
     ckpt = Path(str(cfg.run.dir)) / "fsdp" / "checkpoints" / "step_00000002"
     resumed, _, _ = _train_gathered(_config(init_method + "-resume", cache, *base, "run.name=resumed",
                                             f"resume={ckpt}"), rank, world)
+    # The same checkpoint resumed unsharded (fsdp.shard_size=1: 2 replicas): the full pieces are re-cut.
+    reshard, _, _ = _train_gathered(_config(init_method + "-reshard", cache, "masker.coverage=1", "run.name=reshard",
+                                            f"resume={ckpt}"), rank, world)
     bf16, bf16_summary, _ = _train_gathered(_config(init_method + "-bf16", cache, *base, "run.name=bf16",
                                                     "train.precision=bf16"), rank, world)
     _, plain, _ = _train_gathered(_config(init_method + "-plain", cache, "masker.coverage=1", "run.name=plain"),
                                   rank, world)
-    return {"fsdp": fsdp, "summary": summary, "kinds": kinds, "ddp": ddp, "resumed": resumed, "bf16": bf16,
+    return {"fsdp": fsdp, "summary": summary, "kinds": kinds, "ddp": ddp, "resumed": resumed, "reshard": reshard,
+            "bf16": bf16,
             "bf16_summary": bf16_summary, "plain": plain}
 
 
@@ -91,6 +95,8 @@ def test_fsdp_one_replica_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_p
             torch.testing.assert_close(res["fsdp"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
             # Resuming from the sharded step-2 checkpoint reproduces the uninterrupted run exactly.
             assert torch.equal(res["resumed"][name], res["fsdp"][name]), name
+            # ... and resumed with another fsdp.shard_size it trains on as the unsharded run would.
+            torch.testing.assert_close(res["reshard"][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert results[0]["summary"]["ranks"][0]["params_sha256"] == results[1]["summary"]["ranks"][1]["params_sha256"]
     # `subnetdp plan` dry-runs the sharded step (FSDP2 over torch's fake process group): it estimates
     # what the loop measured, and the bytes FSDP moves.

@@ -42,8 +42,10 @@ def _torchrun(tmp: Path, name: str, *extra: str, restarts: int = 0, env: dict | 
 
 
 def _final_tensors(run_dir: Path) -> list[dict[str, torch.Tensor]]:
+    """Every tensor file of the final checkpoint: the pieces (values and optimizer state, each once)
+    and both ranks' own buffers."""
     final = ck.step_dir(run_dir, 6)
-    return [load_file(str(final / ck.rank_files(r)[0])) for r in range(2)]
+    return [load_file(str(f)) for f in sorted(final.glob("*.safetensors"))]
 
 
 def _assert_same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:

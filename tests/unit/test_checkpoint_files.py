@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from subnetdp.train.checkpoints import files as ck
+from subnetdp.train.checkpoints.units import PieceReader
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import CheckpointError, NonFiniteError
 from subnetdp.train.loop import train
@@ -64,15 +65,21 @@ def test_layout_manifest_and_retention(runs):
     assert sorted(p.name for p in a.iterdir()) == ["step_00000001", "step_00000002"]
     assert [p.name for p in (runs / "b" / "checkpoints").iterdir()] == ["step_00000001"]  # every=0: at the end
     files = sorted(p.name for p in (a / "step_00000002").iterdir())
-    assert files == ["MANIFEST.json", "config.yaml", "plan.json", "rank_0.safetensors", "rank_0.state.pt"]
+    assert files == ["MANIFEST.json", "config.yaml", "pieces_0.safetensors", "plan.json", "rank_0.safetensors",
+                     "rank_0.state.pt"]
     manifest = ck.read_manifest(a / "step_00000002")
+    assert manifest["format"] == "subnetdp-checkpoint/2"
     assert manifest["step"] == 2 and manifest["world_size"] == 1 and set(manifest["files"]) == set(files) - {"MANIFEST.json"}
     for name, entry in manifest["files"].items():
         assert ck.sha256_file(a / "step_00000002" / name) == entry["sha256"]
     # The state file holds nothing but tensors and plain containers.
     state = ck.read_state(a / "step_00000002" / "rank_0.state.pt")
     assert state["step"] == 2 and state["loader"] == {"epoch": 0, "batch": 2}
-    assert isinstance(state["rng"]["torch"], torch.Tensor) and state["optimizer"]["state"]
+    assert isinstance(state["rng"]["torch"], torch.Tensor) and state["optimizer"]["class"] == "SGD"
+    # Every parameter piece is indexed, with its optimizer state beside it (SGD momentum).
+    reader = PieceReader(a / "step_00000002", manifest)
+    assert reader.kinds("fc.weight")["optim"] == {"momentum_buffer"}
+    assert reader.get("fc.weight").shape == (10, 512)
     # A run directory resolves to its newest checkpoint; the union loads from the files alone.
     assert ck.resolve_checkpoint(runs / "a").name == "step_00000002"
     loaded = load_union(runs / "a", plugin_manager())
@@ -80,7 +87,7 @@ def test_layout_manifest_and_retention(runs):
 
 
 def test_truncated_file(ckpt):
-    f = ckpt / "rank_0.safetensors"
+    f = ckpt / "pieces_0.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
     msg = _load_error(ckpt)
     assert str(f) in msg and "truncated: 1000 bytes" in msg
@@ -98,15 +105,21 @@ def test_corrupted_byte(ckpt):
 
 
 def test_shard_from_another_run(ckpt, runs):
-    shutil.copy(runs / "b" / "checkpoints" / "step_00000001" / "rank_0.safetensors", ckpt / "rank_0.safetensors")
-    msg = _load_error(ckpt)
-    assert "a shard from another run" in msg and "step 1" in msg and str(ckpt / "rank_0.safetensors") in msg
+    for name in ("pieces_0.safetensors", "rank_0.safetensors"):
+        own = (ckpt / name).read_bytes()
+        shutil.copy(runs / "b" / "checkpoints" / "step_00000001" / name, ckpt / name)
+        msg = _load_error(ckpt)
+        assert "a shard from another run" in msg and "step 1" in msg and str(ckpt / name) in msg
+        (ckpt / name).write_bytes(own)
 
 
 def test_missing_rank_file(ckpt):
     (ckpt / "rank_0.safetensors").unlink()
     msg = _load_error(ckpt)
     assert str(ckpt / "rank_0.safetensors") in msg and "missing" in msg
+    (ckpt / "pieces_0.safetensors").unlink()
+    msg = _resume_error(ckpt)
+    assert str(ckpt / "pieces_0.safetensors") in msg and "missing" in msg
 
 
 def test_manifest_damaged_or_absent(ckpt):
@@ -149,15 +162,18 @@ def test_state_file_with_a_pickled_object_is_refused_unexecuted(ckpt, tmp_path):
     assert "cannot be read safely" in _resume_error(ckpt)
 
 
-def test_resume_refuses_other_model_plan_or_world_size(ckpt):
+def test_resume_refuses_other_model_partition_or_format(ckpt):
     msg = _resume_error(ckpt, "model.zero_init_residual=true")
     assert "written for model" in msg and "zero_init_residual" in msg
+    msg = _resume_error(ckpt, "masker.granularity=neuron")
+    assert "written for a partition of 8 block-level units" in msg and "masker.granularity" in msg
     manifest = json.loads((ckpt / "MANIFEST.json").read_text())
     (ckpt / "MANIFEST.json").write_text(json.dumps({**manifest, "plan_digest": "0123456789abcdef"}))
-    assert "written under mask plan 0123456789abcdef" in _resume_error(ckpt)
-    (ckpt / "MANIFEST.json").write_text(json.dumps({**manifest, "world_size": 2}))
-    msg = _resume_error(ckpt)
-    assert "written by 2 rank(s), this run has 1" in msg and "refused, not re-planned" in msg
+    assert "plan.json: does not match MANIFEST.json" in _resume_error(ckpt)
+    (ckpt / "MANIFEST.json").write_text(json.dumps({**manifest, "format": "subnetdp-checkpoint/1"}))
+    for msg in (_resume_error(ckpt), _load_error(ckpt)):
+        assert "format 'subnetdp-checkpoint/1'" in msg and "reads 'subnetdp-checkpoint/2' only" in msg
+        assert "release that wrote it" in msg
 
 
 def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
@@ -170,9 +186,9 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
     load_union(good, plugin_manager())  # intact
     # skip: every step after the first is skipped, so the weights stay those of step 1.
     run = train_loop(tmp_path, "skip", "train.steps=3", "optim.lr=1e30", "train.on_nonfinite=skip")
-    step1, _ = ck.read_tensors(good / "rank_0.safetensors", ck.read_manifest(good), 0)
+    step1 = PieceReader(good, ck.read_manifest(good)).get("fc.weight")
     params = dict(run.model.named_parameters())
-    assert run.step == 3 and torch.equal(params["fc.weight"], step1["fc.weight"])
+    assert run.step == 3 and torch.equal(params["fc.weight"], step1)
 
 
 def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):

@@ -1,22 +1,29 @@
 """Checkpoints on disk: atomic writes, the layout, verification and safe reading.
 
-``RUN_DIR/checkpoints/step_{:08d}/`` holds
+``RUN_DIR/checkpoints/step_{:08d}/`` holds (format ``subnetdp-checkpoint/2``, keyed by unit)
 
-- ``rank_{r}.safetensors``: rank r's tensors (parameters and buffers) under their global names; a
-  slice of a global tensor is stored as ``name@dim:start:stop``. The metadata names the run, step,
-  rank, plan and the slices. Every owner of a unit writes its own copy.
-- ``rank_{r}.state.pt``: optimizer and scheduler state, data-loader position, RNG states (as
-  tensors) and the step; only tensors and plain containers, so ``torch.load(weights_only=True)``
+- ``pieces_{r}.safetensors``: the parameter pieces rank r writes, each with its optimizer state
+  (``optim.exp_avg/KEY``, ``optim.step/KEY``, ...) and any local-steps outer state
+  (``outer_anchor/KEY``). A piece is a shared tensor, or one unit's slice of a tensor as the
+  partition cuts it (``name@dim:start:stop``), never a rank's local layout; every piece is written
+  once, by one of its owners, the writers chosen so each rank writes about 1/W of the bytes
+  (:mod:`subnetdp.train.checkpoints.units`).
+- ``rank_{r}.safetensors``: what is truly rank r's among the tensors: its buffers (BatchNorm
+  running statistics differ by rank, as in DDP), keyed by piece.
+- ``rank_{r}.state.pt``: the data-loader position, RNG states (as tensors), scheduler and optimizer
+  hyper-parameters, the step; only tensors and plain containers, so ``torch.load(weights_only=True)``
   reads it and nothing is ever unpickled.
-- ``plan.json``, ``config.yaml``: the mask plan and the resolved config (rank 0).
-- ``MANIFEST.json``: format, run id, step, world size, plan digest, model and data spec, and the
-  size and sha256 of every other file. Rank 0 writes it last, after every rank's files are on disk;
-  only a directory with a manifest is a checkpoint.
+- ``plan.json``, ``config.yaml``: the mask plan (with the partition's units) and the resolved config.
+- ``MANIFEST.json``: format, run id, step, world size, plan and partition digests, model and data
+  spec, the size and sha256 of every other file, and ``pieces``: the index saying which file holds
+  each piece. Rank 0 writes it last, after every rank's files are on disk; only a directory with a
+  manifest is a checkpoint.
 
 Every file is written under a temporary name, fsynced, then renamed; the directory is built as
 ``step_XXXXXXXX.tmp`` and renamed when complete, so a kill at any moment leaves the previous
 checkpoint loadable. Reading checks sizes and checksums before torch sees a byte, and turns every
-problem into a :class:`~subnetdp.core.errors.CheckpointError` that names the file.
+problem into a :class:`~subnetdp.core.errors.CheckpointError` that names the file. A checkpoint of
+format 1 (one full copy per rank) is refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import torch
 
 from subnetdp.core.errors import CheckpointError
 
-FORMAT = "subnetdp-checkpoint/1"
+FORMAT = "subnetdp-checkpoint/2"
+FORMAT_1 = "subnetdp-checkpoint/1"  # per-rank copies of every held tensor: refused, see read_manifest
 MANIFEST = "MANIFEST.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
@@ -61,7 +69,13 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def rank_files(rank: int) -> tuple[str, str]:
+    """Rank ``rank``'s own files: its buffers (safetensors) and its state (loader, RNG, schedule)."""
     return f"rank_{rank}.safetensors", f"rank_{rank}.state.pt"
+
+
+def pieces_file(rank: int) -> str:
+    """The file holding the parameter pieces (and their optimizer state) that ``rank`` writes."""
+    return f"pieces_{rank}.safetensors"
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -234,10 +248,15 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: missing: {ckpt} is not a complete checkpoint") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}): the manifest is corrupted") from None
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT_1:
+        raise CheckpointError(f"{path}: format {FORMAT_1!r} (a full copy per rank, written before checkpoints "
+                              f"were keyed by unit), this version reads {FORMAT!r} only: resume, evaluate or "
+                              "export it with the subnetdp release that wrote it (its export is a plain "
+                              "state_dict any release can use), or start a new run")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r}: not a subnetdp checkpoint")
-    for key in ("run_id", "step", "world_size", "plan_digest", "files", "model", "data_spec"):
+    for key in ("run_id", "step", "world_size", "plan_digest", "files", "model", "data_spec", "pieces"):
         if key not in manifest:
             raise CheckpointError(f"{path}: lacks the field {key!r}: the manifest is corrupted")
     return manifest
@@ -280,28 +299,99 @@ def verify_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> Path:
     return path
 
 
-def read_tensors(path: Path, manifest: dict[str, Any], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-    """A rank's tensors and slice table (key -> [global name, dim, start, stop]) from its safetensors file."""
-    from safetensors import safe_open
+class TensorFile:
+    """A verified safetensors file of a checkpoint, read one tensor at a time (memory-mapped).
 
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
-    expected = {"format": FORMAT, "run_id": manifest["run_id"], "step": str(manifest["step"]), "rank": str(rank)}
-    for key, value in expected.items():
-        if meta.get(key) != value:
-            raise CheckpointError(f"{path}: metadata {key}={meta.get(key)!r}, expected {value!r}: "
-                                  "a shard from another run, step or rank")
-    try:
-        slices = json.loads(meta["slices"])
-    except (KeyError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: its slice table is missing or corrupted") from None
-    if set(slices) != set(tensors):
-        raise CheckpointError(f"{path}: its slice table does not match its tensors")
-    return tensors, slices
+    Opening checks the metadata (format, run id, step and ``identity``, e.g. the rank), so a file
+    copied in from another run, step or rank is named; :meth:`get` reads one tensor, never the file.
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any], identity: dict[str, str]) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        try:
+            self._f = safe_open(str(path), framework="pt", device="cpu")
+            meta = self._f.metadata() or {}
+            self._keys = set(self._f.keys())
+            self._offsets: dict[str, tuple[int, dict[str, Any]]] | None = None
+        except Exception as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+        expected = {"format": FORMAT, "run_id": manifest["run_id"], "step": str(manifest["step"]), **identity}
+        for key, value in expected.items():
+            if meta.get(key) != value:
+                raise CheckpointError(f"{path}: metadata {key}={meta.get(key)!r}, expected {value!r}: "
+                                      "a shard from another run, step or rank")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def keys(self) -> set[str]:
+        return set(self._keys)
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise CheckpointError(f"{self.path}: lacks the tensor {key} that {MANIFEST} places in it: "
+                                  "the checkpoint is corrupted")
+        return self._f.get_tensor(key)
+
+    def read_into(self, key: str, dst: torch.Tensor) -> None:
+        """Read tensor ``key`` straight into ``dst`` (a contiguous CPU tensor or view of one): no
+        intermediate copy, so a model is filled from a checkpoint without a second copy of anything."""
+        if not (dst.device.type == "cpu" and dst.is_contiguous()):
+            dst.copy_(self.get(key))
+            return
+        if key not in self._keys:
+            self.get(key)  # raises, naming the file
+        if self._offsets is None:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            self._offsets = {k: (8 + n + v["data_offsets"][0], v) for k, v in header.items() if k != "__metadata__"}
+        start, info = self._offsets[key]
+        if info["shape"] != list(dst.shape) or info["dtype"] != _ST_DTYPES.get(dst.dtype):
+            raise CheckpointError(f"{self.path}: tensor {key} is {info['dtype']} {tuple(info['shape'])}, the model "
+                                  f"needs {_ST_DTYPES.get(dst.dtype)} {tuple(dst.shape)}: the checkpoint is from a "
+                                  "different model")
+        size = info["data_offsets"][1] - info["data_offsets"][0]
+        if size == 0:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            got = f.readinto(memoryview(dst.detach().reshape(-1).view(torch.uint8).numpy()))
+        if got != size:
+            raise CheckpointError(f"{self.path}: truncated inside tensor {key}")
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` as a safetensors file, one tensor at a time.
+
+    Unlike ``safetensors.torch.save_file`` this takes views (narrowed slices, tensors sharing
+    storage) as they are and never builds the file in memory: at most one tensor is copied (made
+    contiguous on the CPU) at any moment, so writing costs no second copy of what is written.
+    """
+    names = sorted(tensors)
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in names:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def read_state(path: Path) -> dict[str, Any]:

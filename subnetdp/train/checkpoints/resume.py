@@ -12,12 +12,20 @@ The inf/NaN guard that stops a run (leaving the last good checkpoint untouched) 
 synchroniser's: :class:`subnetdp.sdp.sync.NonFiniteGuard`.
 
 Resuming restores parameters, buffers, optimizer and scheduler state, the data-loader position and
-the RNG states, so a resumed run is bit-identical to one that was never interrupted. A checkpoint
-from another model, plan or world size is refused (re-planning for a new world size is not built).
+the RNG states, so a resumed run with the checkpoint's plan and world size is bit-identical to one
+that was never interrupted. Checkpoints are keyed by unit (:mod:`subnetdp.train.checkpoints.units`),
+so a run may also resume on another world size (``launch.nproc``, torchrun's ``--nproc-per-node``),
+``masker.coverage``, ``masker.name``, seed or ``fsdp.shard_size``: the new plan is made and validated
+as for a fresh run (a plan that leaves a unit unowned is refused before any process group exists,
+naming the smallest coverage or world size that works), and each rank loads exactly its new units'
+values and optimizer state. The data position carries over by samples seen:
+:func:`~subnetdp.train.checkpoints.units.carry_position`. A checkpoint of another model or partition
+(``masker.granularity``, ``masker.units_per_layer``) is refused.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from pathlib import Path
@@ -28,9 +36,12 @@ import torch
 from omegaconf import OmegaConf
 
 from subnetdp.train.checkpoints import files as ck
+from subnetdp.train.checkpoints import units
 from subnetdp.core import config as config_mod
 from subnetdp.core.errors import CheckpointError, SubnetdpError
+from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
+from subnetdp.sdp.pieces import LocalIndex
 
 
 def rng_state() -> dict[str, Any]:
@@ -72,12 +83,8 @@ def final_wanted(cfg: Any) -> bool:
             or int(cfg.train.steps) >= AUTO_FINAL_MIN_STEPS)
 
 
-def _piece_key(p: Any) -> str:
-    return p.global_name if p.dim is None else f"{p.global_name}@{p.dim}:{p.global_start}:{p.global_stop}"
-
-
 class Checkpointer:
-    """Saves this rank's part of every checkpoint and restores it on resume.
+    """Saves this rank's part of every checkpoint and restores it on resume, under any plan.
 
     Args:
         run: the :class:`~subnetdp.core.contracts.Run` (model, plan, partition, comm, config, run_dir).
@@ -91,37 +98,25 @@ class Checkpointer:
         self.last_saved: Path | None = None
 
     # ------------------------------------------------------------------ local tensors
-    def _local(self) -> dict[str, torch.Tensor]:
-        local = dict(self.run.model.named_parameters())
-        local.update(dict(self.run.model.named_buffers()))
-        return {n: local[n] for n in self.run.pmap.pieces if n in local}
-
-    def _stored(self) -> list[tuple[str, str, torch.Tensor]]:
-        """``(key prefix, local name, tensor)``: parameters and buffers, then any local-steps outer state.
-
-        The outer state has its parameter's local shape, so it is cut and keyed by unit the same way.
-        """
-        out = [("", n, t) for n, t in self._local().items()]
+    def _outer(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Local-steps outer state: prefix -> local parameter name -> tensor of its local shape."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
         if isinstance(self.run.averager, LocalStepsSynchronizer):
-            out += self.run.averager.outer_tensors()
+            for prefix, name, t in self.run.averager.outer_tensors():
+                out.setdefault(prefix, {})[name] = t
         return out
 
-    def _tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
-        tensors, slices = {}, {}
-        for prefix, name, t in self._stored():
-            for p in self.run.pmap.pieces[name]:
-                key = prefix + _piece_key(p)
-                if p.dim is None:
-                    tensors[key] = t.detach().cpu().contiguous()
-                else:
-                    tensors[key] = t.detach().narrow(p.dim, p.local_start, p.local_stop - p.local_start).cpu().clone()
-                slices[key] = [prefix + p.global_name, p.dim, p.global_start, p.global_stop]
-        return tensors, slices
+    def _per_owner(self) -> bool:
+        """Whether owners' copies of a piece differ, so every owner writes its own (local steps)."""
+        return isinstance(self.run.averager, LocalStepsSynchronizer)
 
-    def _param_names(self) -> list[str]:
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _local_names(self) -> list[str]:
+        """The local name of every optimizer parameter, in the optimizer's order (outside gathered())."""
         names = {id(t): n for n, t in self.run.model.named_parameters()}
-        return [_piece_key(self.run.pmap.pieces[names[id(p)]][0]) for g in self.optimizer.param_groups
-                for p in g["params"]]
+        return [names[id(p)] for p in self._params()]
 
     # ------------------------------------------------------------------ saving
     def after_step(self, step: int) -> None:
@@ -132,7 +127,8 @@ class Checkpointer:
         ck.fault_point(ck.KILL_AT_STEP, step, self.rank, self.run.run_dir)
 
     def save(self, step: int) -> Path:
-        """Write checkpoint ``step``: every rank its files, then rank 0 the plan, config and manifest."""
+        """Write checkpoint ``step``: every rank its pieces and own files, then rank 0 the plan,
+        config and manifest (with the index of every piece)."""
         run, comm = self.run, self.comm
         final = ck.step_dir(run.run_dir, step)
         tmp = final.with_name(final.name + ".tmp")
@@ -141,9 +137,17 @@ class Checkpointer:
                 ck.remove_checkpoint(tmp)
             tmp.mkdir(parents=True)
         comm.barrier()  # collective: the temporary directory exists before anyone writes into it
-        with run.parallel.gathered():  # collective when sharded: each rank writes its replica's full tensors
-            tensors, slices = self._tensors()
-        files = self._write_rank_files(tmp, step, tensors, slices)
+        names = self._local_names()
+        # collective when sharded: the optimizer state of each parameter is gathered over its shard group.
+        full_state = run.parallel.optimizer_state_full(self.optimizer)
+        optim_state = dict(zip(names, full_state))
+        with run.parallel.gathered():  # collective when sharded: each rank writes from its replica's full tensors
+            index = LocalIndex(run.model, run.pmap)
+            pieces = units.pieces_to_write(self.rank, run.partition, run.plan, index, self._outer(), optim_state,
+                                           per_owner=self._per_owner())
+            buffers = units.buffers_to_write(self.rank, run.partition, run.plan, index)
+            files = self._write_rank_files(tmp, step, pieces, buffers)
+        del full_state, optim_state, pieces
         # collective: every rank's files are on disk (fsynced) before the manifest names them.
         everyone = comm.all_gather_object(files)
         if self.rank == 0:
@@ -154,28 +158,39 @@ class Checkpointer:
             spec = run.spec
             manifest = {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": comm.world_size,
                         "plan_digest": run.plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
+                        "partition_digest": units.partition_digest(run.partition),
+                        "partition": {"granularity": run.partition.granularity, "units": len(run.partition.units),
+                                      "units_per_layer": int(self.cfg.masker.get("units_per_layer", 0) or 0)},
                         "config_digest": config_mod.digest(self.cfg),
                         "model": OmegaConf.to_container(self.cfg.model, resolve=True),
                         "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
                         "reference": run.adapter.reference_options(spec),
-                        "files": dict(sorted(files.items()))}
+                        "files": dict(sorted(files.items())),
+                        "pieces": units.piece_index(run.partition, run.plan, self._per_owner())}
             ck.finish_directory(tmp, final, manifest)
             ck.prune(run.run_dir, int(self.cfg.checkpoint.keep), final)
         comm.barrier()  # collective: no rank runs ahead of a checkpoint that is not complete yet
         self.last_saved = final
         return final
 
-    def _write_rank_files(self, tmp: Path, step: int, tensors: dict[str, torch.Tensor],
-                          slices: dict[str, list]) -> dict[str, Any]:
-        from safetensors.torch import save_file
-
-        meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step), "rank": str(self.rank),
-                "world_size": str(self.comm.world_size), "plan_digest": self.run.plan.digest(),
-                "slices": json_dumps(slices)}
+    def _write_rank_files(self, tmp: Path, step: int, pieces: dict[str, torch.Tensor],
+                          buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+        meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step),
+                "world_size": str(self.comm.world_size), "plan_digest": self.run.plan.digest()}
+        out = {}
+        if pieces:  # a rank may own nothing another owner does not write
+            name = ck.pieces_file(self.rank)
+            out[name] = ck.write_atomic(tmp / name, lambda p: ck.save_safetensors(
+                p, pieces, {**meta, "writer": str(self.rank)}))
         st_name, state_name = ck.rank_files(self.rank)
-        out = {st_name: ck.write_atomic(tmp / st_name, lambda p: save_file(tensors, str(p), metadata=meta))}
+        out[st_name] = ck.write_atomic(tmp / st_name, lambda p: ck.save_safetensors(
+            p, buffers, {**meta, "rank": str(self.rank)}))
+        optim = self.optimizer.state_dict()
         state = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
-                 "optimizer": self.run.parallel.optimizer_state_out(self.optimizer.state_dict()), "param_names": self._param_names(),
+                 "world_size": self.comm.world_size, "batch_size": int(self.cfg.train.batch_size),
+                 "optimizer": {"class": type(self.optimizer).__name__,
+                               "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                for g in optim["param_groups"]]},
                  "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state()}
         if isinstance(self.run.averager, LocalStepsSynchronizer):  # inner steps skipped in this cycle so far
             state["local_steps_nonfinite"] = self.run.averager.nonfinite.clone()
@@ -187,7 +202,7 @@ class Checkpointer:
     def start(self) -> int:
         """Resume per ``cfg.resume`` (``never``, ``auto``, a path); returns the step to continue after.
 
-        Collective: rank 0 chooses the checkpoint and the run id, every rank loads its own files,
+        Collective: rank 0 chooses the checkpoint and the run id, every rank loads its own pieces,
         and any rank's failure stops every rank with that rank's message.
         """
         choice: dict[str, Any] = {"path": None, "run_id": uuid.uuid4().hex, "error": None}
@@ -205,16 +220,17 @@ class Checkpointer:
         self.run_id = choice["run_id"]
         if choice["path"] is None:
             return 0
-        error, step = None, 0
+        error, step, replanned = None, 0, False
         try:
-            step = self._load(Path(choice["path"]))
+            step, replanned = self._load(Path(choice["path"]))
         except SubnetdpError as e:
             error = f"rank {self.rank}: {e}"
         errors = [e for e in self.comm.all_gather_object(error) if e]  # collective: all load or none goes on
         if errors:
             raise CheckpointError("; ".join(errors))
         if self.rank == 0:
-            print(f"resumed from {choice['path']} (step {step})", flush=True)
+            how = " on a new plan (re-planned: each rank loaded its new units)" if replanned else ""
+            print(f"resumed from {choice['path']} (step {step}){how}", flush=True)
         return step
 
     def _choose(self) -> Path | None:
@@ -225,67 +241,112 @@ class Checkpointer:
             return ck.latest_checkpoint(self.run.run_dir)
         return ck.resolve_checkpoint(Path(resume))
 
-    def _load(self, path: Path) -> int:
-        run = self.run
+    def _load(self, path: Path) -> tuple[int, bool]:
+        """Load this rank's pieces; returns the checkpoint's step and whether the plan changed."""
+        run, world = self.run, self.comm.world_size
         manifest = ck.read_manifest(path)
         self._check_compatible(path, manifest)
-        st_name, state_name = ck.rank_files(self.rank)
-        tensors, slices = ck.read_tensors(ck.verify_file(path, st_name, manifest), manifest, self.rank)
+        old_plan = read_plan(path, manifest)
+        old_world = int(manifest["world_size"])
+        same_plan = old_world == world and manifest["plan_digest"] == run.plan.digest()
+        state_name = ck.rank_files(self.rank if old_world == world else 0)[1]
         state = ck.read_state(ck.verify_file(path, state_name, manifest))
+        reader = units.PieceReader(path, manifest)
+        names = self._local_names()
         # collective when sharded: full tensors in, cut back into this rank's shards on exit.
-        # A checkpoint written with per-step synchronisation has no outer state (a cycle starts here),
-        # one written with sync.outer_momentum=0 no outer momentum (it starts at zero).
-        present = {k.split("/", 1)[0] + "/" for k in tensors if "/" in k}
         with torch.no_grad(), run.parallel.gathered(writeback=True):
-            for prefix, name, t in self._stored():
-                if prefix and prefix not in present:
-                    continue
-                for p in run.pmap.pieces[name]:
-                    key = prefix + _piece_key(p)
-                    src = tensors.get(key)
-                    dst = t if p.dim is None else t.narrow(p.dim, p.local_start, p.local_stop - p.local_start)
-                    if src is None or tuple(src.shape) != tuple(dst.shape):
-                        found = "missing" if src is None else f"shape {tuple(src.shape)}"
-                        raise CheckpointError(f"{path / st_name}: tensor {key} is {found}, this model needs "
-                                              f"{tuple(dst.shape)}: the checkpoint is from a different model")
-                    dst.copy_(src)
+            index = LocalIndex(run.model, run.pmap)
+            outer = self._outer()
+            optim_state, found_outer = units.load_pieces(reader, self.rank, run.partition, run.plan, index, outer,
+                                                         own=same_plan)
+            units.load_buffers(reader, self.rank, run.partition, run.plan, index, old_plan, own=same_plan)
+            # A checkpoint written with per-step synchronisation has no outer state (a cycle starts here),
+            # one written with sync.outer_momentum=0 no outer momentum (it starts at zero).
             local = run.averager if isinstance(run.averager, LocalStepsSynchronizer) else None
-            if local is not None and "outer_anchor/" not in present:
+            if local is not None and "outer_anchor/" not in found_outer:
                 local.restart_cycle()
         if local is not None and "local_steps_nonfinite" in state:
-            local.nonfinite.copy_(state["local_steps_nonfinite"])
-        if state["param_names"] != self._param_names():
-            raise CheckpointError(f"{path / state_name}: its optimizer state is for other parameters: "
-                                  "the checkpoint is from a different model or plan")
+            if tuple(state["local_steps_nonfinite"].shape) == tuple(local.nonfinite.shape):
+                local.nonfinite.copy_(state["local_steps_nonfinite"])
+        self._load_optimizer(path / state_name, state, names, optim_state)
+        where = path / state_name
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.run.parallel.optimizer_state_in(self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
-            self.loader.load_state_dict(state["loader"])
-            set_rng_state(state["rng"])
+            batch = int(self.cfg.train.batch_size)
+            if old_world == world and int(state.get("batch_size", batch)) == batch:
+                self.loader.load_state_dict(state["loader"])
+                set_rng_state(state["rng"])
+            else:
+                self.loader.load_state_dict(units.carry_position(
+                    state["loader"], (old_world, int(state.get("batch_size", batch))), (world, batch),
+                    getattr(self.loader, "batches_per_epoch", None)))
+                reseed(int(self.cfg.seed) + int(manifest["step"]))
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{path / state_name}: its state does not fit this run ({e})") from None
-        return int(manifest["step"])
+            raise CheckpointError(f"{where}: its state does not fit this run ({e})") from None
+        return int(manifest["step"]), not same_plan
+
+    def _load_optimizer(self, where: Path, state: dict[str, Any], names: list[str],
+                        optim_state: dict[str, dict[str, torch.Tensor]]) -> None:
+        saved = state.get("optimizer")
+        if not isinstance(saved, dict) or saved.get("class") != type(self.optimizer).__name__:
+            found = saved.get("class") if isinstance(saved, dict) else None
+            raise CheckpointError(f"{where}: optimizer {found}, this run uses {type(self.optimizer).__name__}: "
+                                  "use the same optim.name or start a new run")
+        groups = saved["param_groups"]
+        mine = self.optimizer.state_dict()["param_groups"]
+        if len(groups) != len(mine):
+            raise CheckpointError(f"{where}: {len(groups)} optimizer parameter groups, this run has {len(mine)}")
+        sd = {"state": {i: optim_state[n] for i, n in enumerate(names) if n in optim_state},
+              "param_groups": [{**g, "params": m["params"]} for g, m in zip(groups, mine)]}
+        try:
+            self.optimizer.load_state_dict(sd)
+            self.run.parallel.optimizer_state_from_full(self.optimizer)
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{where}: its optimizer state does not fit this run ({e})") from None
 
     def _check_compatible(self, path: Path, manifest: dict[str, Any]) -> None:
-        run, world = self.run, self.comm.world_size
+        """What a resume must keep: the model and its partition. World size, plan (coverage, masker,
+        seed) and fsdp.shard_size may change: every piece is keyed by the partition alone."""
+        run = self.run
         where = path / ck.MANIFEST
-        if manifest["world_size"] != world:
-            raise CheckpointError(f"{where}: written by {manifest['world_size']} rank(s), this run has {world}: "
-                                  f"resume with {manifest['world_size']} ranks or start a new run (resuming on "
-                                  "a different world size is refused, not re-planned)")
-        shard = int(self.cfg.fsdp.shard_size)
-        if int(manifest.get("fsdp_shard_size", 1)) != shard:
-            raise CheckpointError(f"{where}: written with fsdp.shard_size={manifest.get('fsdp_shard_size', 1)}, this "
-                                  f"run has fsdp.shard_size={shard}: its optimizer state is sharded that way; "
-                                  f"resume with fsdp.shard_size={manifest.get('fsdp_shard_size', 1)} or start a new run")
         model = OmegaConf.to_container(self.cfg.model, resolve=True)
         if manifest["model"] != model:
             raise CheckpointError(f"{where}: written for model {manifest['model']}, this run trains {model}: "
                                   "use the same model.* settings or start a new run")
-        if manifest["plan_digest"] != run.plan.digest():
-            raise CheckpointError(f"{where}: written under mask plan {manifest['plan_digest']}, this run's plan is "
-                                  f"{run.plan.digest()}: use the same masker.* settings and seed, or start a new run")
+        if manifest.get("partition_digest") != units.partition_digest(run.partition):
+            part = manifest.get("partition", {})
+            raise CheckpointError(
+                f"{where}: written for a partition of {part.get('units')} {part.get('granularity')}-level units "
+                f"(masker.units_per_layer={part.get('units_per_layer')}), this run cuts the model into "
+                f"{len(run.partition.units)} {run.partition.granularity}-level units: a resume may change the "
+                "world size, coverage, masker and seed, not the units; use the checkpoint's masker.granularity "
+                "and masker.units_per_layer, or start a new run")
+        resample = int(self.cfg.masker.get("resample_every", 0) or 0)
+        if resample > 0 and (manifest["plan_digest"] != run.plan.digest() or manifest["world_size"] != run.plan.world_size):
+            # The run's plan at set-up is the family's base plan, not the one re-drawn by the step saved.
+            raise CheckpointError(f"{where}: written under mask plan {manifest['plan_digest']} (re-drawn by "
+                                  f"masker.resample_every={resample}), this run starts from plan {run.plan.digest()}: "
+                                  "a run with re-drawn plans resumes only from a checkpoint of its base plan; "
+                                  "resume with masker.resample_every=0 to re-plan from this checkpoint")
+
+
+def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
+    """The checkpoint's ``plan.json``, checked against the manifest."""
+    f = ck.verify_file(path, "plan.json", manifest)
+    try:
+        plan = MaskPlan.from_dict(json.loads(f.read_text(encoding="utf-8")))
+    except (SubnetdpError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: not a valid mask plan ({e})") from None
+    if plan.digest() != manifest["plan_digest"] or plan.world_size != manifest["world_size"]:
+        raise CheckpointError(f"{f}: does not match {ck.MANIFEST} (plan digest or world size)")
+    return plan
+
+
+def reseed(seed: int) -> None:
+    """Host RNGs of a rank whose old stream has no counterpart (a resume on another world size)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def json_dumps(obj: Any) -> str:
