@@ -42,8 +42,9 @@ def launch_command(launcher: str, nproc: int, train_args: Sequence[str], mpirun:
     if nproc < 1:
         raise ConfigError("--nproc", nproc, "must be >= 1")
     if launcher == "torchrun":
-        # python -m torch.distributed.run is torchrun, without relying on the script being on PATH.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        # torchrun itself (torch.distributed.run), without relying on the script being on PATH, ending
+        # on a signal with one line instead of a traceback (launchers/torchrun.py).
+        return [sys.executable, "-m", "subnetdp.launchers.torchrun", "--standalone", f"--nproc-per-node={nproc}",
                 *extra, "-m", "subnetdp", "train", *train_args]
     program = [sys.executable, "-m", "subnetdp", "train", *train_args]
     if launcher == "mpirun":

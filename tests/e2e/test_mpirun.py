@@ -51,7 +51,7 @@ def test_mpi_and_gloo_under_mpirun_and_torchrun_end_bit_identical(tmp_path):
     # gloo under torchrun, through `subnetdp launch`.
     launched = _run([PY, "-m", "subnetdp", "launch", "--launcher", "torchrun", "--nproc", "2", *RECIPE,
                      "comm.name=gloo", f"run.dir={tmp_path}", "run.name=gloo-torchrun"])
-    assert "-m torch.distributed.run --standalone --nproc-per-node=2 -m subnetdp train" in launched.stdout
+    assert "-m subnetdp.launchers.torchrun --standalone --nproc-per-node=2 -m subnetdp train" in launched.stdout
 
     runs = {name: json.loads((tmp_path / name / "summary.json").read_text())
             for name in ("mpi", "gloo-mpirun", "gloo-torchrun")}

@@ -2,8 +2,9 @@
 
 Real processes, real signals sent to the launcher by PID: SIGTERM stops both ranks after a step
 with a checkpoint that a resumed run continues from, then ``resume=auto`` on the finished run
-leaves it untouched; a second signal aborts at once; SIGKILL of ``subnetdp train launch.nproc=2``
-and of ``subnetdp launch`` takes every worker with it.
+leaves it untouched; a second signal aborts at once; Ctrl-C to ``subnetdp launch`` (torchrun) stops
+at a step with a checkpoint and one line; SIGKILL of ``subnetdp train launch.nproc=2`` and of
+``subnetdp launch`` takes every worker with it.
 """
 
 from __future__ import annotations
@@ -139,7 +140,20 @@ def test_a_second_signal_aborts_at_once_and_sigkill_takes_the_workers_along(tmp_
     assert not _gone_within(workers, 5), "workers outlived their SIGKILLed launcher"
 
 
-def test_sigkill_of_subnetdp_launch_takes_torchrun_and_the_workers_along(tmp_path):
+def test_ctrl_c_and_sigkill_of_subnetdp_launch_under_torchrun(tmp_path):
+    # Ctrl-C (one SIGINT) to `subnetdp launch`: torchrun passes it to the workers, which stop at a step
+    # boundary with a checkpoint; torchrun ends with one line, not a traceback.
+    cmd = [*SUBNETDP, "launch", "--nproc", "2", *ARGS, f"run.dir={tmp_path}", "run.name=interrupted"]
+    proc, workers = _start(cmd, tmp_path / "interrupted")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    assert "torchrun: stopped by SIGINT" in err and not _gone_within(workers, 5)
+    saved = ck.latest_checkpoint(tmp_path / "interrupted")
+    assert saved is not None and json.loads((saved / ck.MANIFEST).read_text())["step"] >= 2
+
+    # SIGKILL of `subnetdp launch` takes torchrun and the workers with it.
     cmd = [*SUBNETDP, "launch", "--nproc", "2", *ARGS, f"run.dir={tmp_path}", "run.name=launched"]
     proc, workers = _start(cmd, tmp_path / "launched")
     below = _children(proc.pid)  # torchrun and its workers

@@ -64,7 +64,7 @@ def test_slurm_lists():
 def test_launch_commands_use_this_python_and_its_mpirun(tmp_path):
     py = sys.executable
     args = ["resnet18_digits", "train.steps=3"]
-    assert launch_command("torchrun", 2, args) == [py, "-m", "torch.distributed.run", "--standalone",
+    assert launch_command("torchrun", 2, args) == [py, "-m", "subnetdp.launchers.torchrun", "--standalone",
                                                    "--nproc-per-node=2", "-m", "subnetdp", "train", *args]
     assert launch_command("mpirun", 3, args) == [str(Path(py).parent / "mpirun"), "-n", "3", py, "-m", "subnetdp",
                                                  "train", *args]
