@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -157,14 +158,19 @@ class PeakBreakdown(ShardTracker):
     """``ShardTracker`` that also keeps, at the step's peak, which storages were live and who made them.
 
     At every new peak the live storages created during the step are copied (key -> bytes) with the
-    phase of the step (``forward``, ``backward``, ``sync``, ``optimizer``) and the op; after the step
-    :meth:`breakdown` sorts them into gradients (this step's ``.grad`` shards), gathered parameters
-    (FSDP2's ``resize_``) and activations/temporaries, and names the largest of the last by op,
-    shape and dtype. The state (parameters, AdamW moments, persistent buckets) is the baseline.
+    phase of the step (``forward``, ``backward``, ``sync``, ``optimizer``), the op and, for those of
+    1 MiB or more, the function that allocated them, together with the storages of the gradients
+    that exist at that moment (``grad_keys``); :meth:`breakdown` sorts them into this step's sharded
+    gradients, FSDP2's unsharded gradients (``.grad`` of its unsharded parameters, before their
+    reduce-scatter), gathered parameters (FSDP2's ``resize_``), FSDP2's all-gather and reduce-scatter
+    buffers, and activations/temporaries, and names the largest of the last. The state (parameters,
+    AdamW moments, persistent buckets: every gradient without FSDP) is the baseline.
     """
 
-    def __init__(self, baseline: int = 0) -> None:
+    def __init__(self, baseline: int = 0, grad_keys: Any = lambda: (set(), set())) -> None:
         super().__init__(baseline)
+        self.grad_keys = grad_keys  # () -> (sharded .grad storages, FSDP2's unsharded .grad storages), now
+        self.grads_at_peak: tuple[set[int], set[int]] = (set(), set())
         self.phase = "forward"
         self._made: dict[int, tuple[str, str, tuple[int, ...], str]] = {}  # key -> (phase, op, shape, dtype)
         self._resized_keys: set[int] = set()
@@ -200,13 +206,16 @@ class PeakBreakdown(ShardTracker):
             unknown = ("before", "?", (), "?", "")  # FSDP2's unsharded parameters: storages of an earlier step
             self.at_peak = {k: (b, self._made.get(k, unknown)) for k, b in self._live.items()}
             self.peak_phase, self.peak_op = self.phase, self._op
+            self.grads_at_peak = self.grad_keys()
 
-    def breakdown(self, grads: set[int], top: int = 12) -> dict:
+    def breakdown(self, top: int = 12) -> dict:
         """The peak as state + gradients + gathered parameters + FSDP2's all-gather / reduce-scatter
         buffers + activations and temporaries (bytes), with the largest of the last."""
-        g = sum(b for k, (b, _m) in self.at_peak.items() if k in grads and k not in self._resized_keys)
+        sharded, unsharded = self.grads_at_peak
+        g = sum(b for k, (b, _m) in self.at_peak.items() if k in sharded and k not in self._resized_keys)
+        ug = sum(b for k, (b, _m) in self.at_peak.items() if k in unsharded and k not in sharded | self._resized_keys)
         gathered = sum(b for k, (b, _m) in self.at_peak.items() if k in self._resized_keys)
-        rest = [(b, m) for k, (b, m) in self.at_peak.items() if k not in grads and k not in self._resized_keys]
+        rest = [(b, m) for k, (b, m) in self.at_peak.items() if k not in sharded | unsharded | self._resized_keys]
         ag = sum(b for b, m in rest if "foreach_all_gather" in m[4])
         rs = sum(b for b, m in rest if "foreach_reduce" in m[4])
         rest = [(b, m) for b, m in rest if "foreach_all_gather" not in m[4] and "foreach_reduce" not in m[4]]
@@ -215,7 +224,7 @@ class PeakBreakdown(ShardTracker):
             by_phase[phase] = by_phase.get(phase, 0) + b
         rest.sort(key=lambda r: -r[0])
         return {"phase": self.peak_phase, "op": self.peak_op, "state_bytes": self.baseline,
-                "grad_bytes": g, "gathered_bytes": gathered, "all_gather_buffer_bytes": ag,
+                "grad_bytes": g, "unsharded_grad_bytes": ug, "gathered_bytes": gathered, "all_gather_buffer_bytes": ag,
                 "reduce_scatter_buffer_bytes": rs, "activation_bytes": sum(b for b, _ in rest),
                 "activation_bytes_by_phase_made": by_phase,
                 "largest": [{"bytes": b, "phase": m[0], "op": m[1], "shape": list(m[2]), "dtype": m[3],
@@ -292,12 +301,20 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         comm.bytes.reset()
         fsdp_bytes, ops = CollectiveBytes(), C10dOps()
         t0 = time.perf_counter()
-        with ops, fsdp_bytes, PeakBreakdown(baseline) as tracker:
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        fsdp_params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+
+        def grad_keys() -> tuple[set[int], set[int]]:  # this step's gradients at this moment, by storage
+            sharded = {ShardTracker._local(p.grad).untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
+            unsharded = {fp._unsharded_param.grad.untyped_storage()._cdata for fp in fsdp_params
+                         if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None}
+            return sharded, unsharded
+
+        with ops, fsdp_bytes, PeakBreakdown(baseline, grad_keys) as tracker:
             active.append(tracker)
             step()
             active.clear()
-        grads = {ShardTracker._local(p.grad).untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
-        breakdown = tracker.breakdown(grads)
+        breakdown = tracker.breakdown()
         seconds = time.perf_counter() - t0
         sdp_payload, sdp_wire = comm.bytes.total(), comm.bytes.ring_estimate()  # before the cross-check's step
         cross = None
@@ -388,8 +405,9 @@ def loss_summary(rows: list[dict], precision: str) -> str:
 
 
 def breakdown_table(rows: list[dict], precision: str) -> str:
-    """What is live at each row's peak: state, gradients, gathered parameters, FSDP's buffers, the rest."""
-    head = (f"{'config':>21} {'C':>5} {'RxS':>5} {'peak':>6} {'state':>6} {'grads':>6} {'gather':>6} "
+    """What is live at each row's peak: state, this step's sharded and unsharded (FSDP2) gradients,
+    gathered parameters, FSDP2's all-gather and reduce-scatter buffers, activations and temporaries."""
+    head = (f"{'config':>21} {'C':>5} {'RxS':>5} {'peak':>6} {'state':>6} {'grads':>6} {'ungrad':>6} {'gather':>6} "
             f"{'AG buf':>6} {'RS buf':>6} {'activ.':>6}  at the peak ({precision}, GiB)")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -398,7 +416,8 @@ def breakdown_table(rows: list[dict], precision: str) -> str:
         b = r["peak_breakdown"]
         label = r["mode"] + (" chunked" if r.get("loss_chunk") else "")
         lines.append(f"{label:>21} {r['coverage']:>5g} {r['replicas']}x{r['shard']:<3} {r['peak_bytes'] / GiB:>6.2f} "
-                     f"{b['state_bytes'] / GiB:>6.2f} {b['grad_bytes'] / GiB:>6.2f} {b['gathered_bytes'] / GiB:>6.2f} "
+                     f"{b['state_bytes'] / GiB:>6.2f} {b['grad_bytes'] / GiB:>6.2f} {b['unsharded_grad_bytes'] / GiB:>6.2f} "
+                     f"{b['gathered_bytes'] / GiB:>6.2f} "
                      f"{b['all_gather_buffer_bytes'] / GiB:>6.2f} {b['reduce_scatter_buffer_bytes'] / GiB:>6.2f} "
                      f"{b['activation_bytes'] / GiB:>6.2f}  {b['phase']}")
     return "\n".join(lines)
