@@ -70,6 +70,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -305,9 +306,13 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         fsdp_params = [fp for g in groups if g is not None for fp in g.fsdp_params]
 
         def grad_keys() -> tuple[set[int], set[int]]:  # this step's gradients at this moment, by storage
-            sharded = {ShardTracker._local(p.grad).untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
-            unsharded = {fp._unsharded_param.grad.untyped_storage()._cdata for fp in fsdp_params
-                         if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None}
+            # While a block is unsharded FSDP2 registers its unsharded parameters on the module: their
+            # .grad are the unsharded gradients (before the reduce-scatter), the DTensors' the shards.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            sharded = {g._local_tensor.untyped_storage()._cdata for g in grads if isinstance(g, DTensor)}
+            unsharded = {g.untyped_storage()._cdata for g in grads if fsdp_params and not isinstance(g, DTensor)}
+            unsharded |= {fp._unsharded_param.grad.untyped_storage()._cdata for fp in fsdp_params
+                          if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None}
             return sharded, unsharded
 
         with ops, fsdp_bytes, PeakBreakdown(baseline, grad_keys) as tracker:
