@@ -45,7 +45,7 @@ and prints a table.
 ``--loss``: DDP, FSDP+AC, SDP C=0.5 and SDP+FSDP+AC (2 x 4) at C=0.5 and 0.69, each with the full
 logits and with the chunked LM-head loss (``model.loss_chunk=1024``), fp32 and bf16 in one run
 (``fsdp_memory_loss.json``; ratios to plain DDP of the same precision). Each row also says what is
-live at its peak (:class:`PeakBreakdown`): the state, this step's sharded gradients, the gathered
+live at its peak (:class:`PeakBreakdown`): the state, this step's sharded and unsharded gradients, the gathered
 parameters, FSDP2's all-gather and reduce-scatter buffers, and the activations and temporaries,
 with the largest of them by op, shape and the function that allocated them.
 Not measured: the CUDA caching allocator's fragmentation and reserve, NCCL's buffers, the CUDA
@@ -173,7 +173,7 @@ class PeakBreakdown(ShardTracker):
         self.grad_keys = grad_keys  # () -> (sharded .grad storages, FSDP2's unsharded .grad storages), now
         self.grads_at_peak: tuple[set[int], set[int]] = (set(), set())
         self.phase = "forward"
-        self._made: dict[int, tuple[str, str, tuple[int, ...], str]] = {}  # key -> (phase, op, shape, dtype)
+        self._made: dict[int, tuple] = {}  # key -> (phase, op, shape, dtype, allocating function)
         self._resized_keys: set[int] = set()
         self.at_peak: dict[int, tuple[int, tuple]] = {}  # key -> (bytes, what made it), at the peak
         self.peak_phase = self.peak_op = ""
