@@ -39,7 +39,15 @@ whose ``ByteCounter`` counts every ``all_reduce`` payload; FSDP's all-gathers an
 Run: ``.venv/bin/python benchmarks/fsdp_memory.py`` (about 3 minutes on 2 shared cores; fp32, as
 the recipes) and ``--precision bf16`` (FSDP2 ``MixedPrecisionPolicy`` bf16 compute / fp32
 reduction when sharded, ``torch.autocast`` bf16 otherwise). Writes
-``benchmarks/results/fsdp_memory.json`` (``fsdp_memory_bf16.json``) and prints a table.
+``fsdp_memory.json`` (``fsdp_memory_bf16.json``) in the results directory (``benchmarks/_results.py``)
+and prints a table.
+
+``--loss``: DDP, FSDP+AC, SDP C=0.5 and SDP+FSDP+AC (2 x 4) at C=0.5 and 0.69, each with the full
+logits and with the chunked LM-head loss (``model.loss_chunk=1024``), fp32 and bf16 in one run
+(``fsdp_memory_loss.json``; ratios to plain DDP of the same precision). Each row also says what is
+live at its peak (:class:`PeakBreakdown`): the state, this step's sharded and unsharded gradients, the gathered
+parameters, FSDP2's all-gather and reduce-scatter buffers, and the activations and temporaries,
+with the largest of them by op, shape and the function that allocated them.
 Not measured: the CUDA caching allocator's fragmentation and reserve, NCCL's buffers, the CUDA
 context, gradient clipping (its norm needs ``.item()``, impossible on fake tensors; it allocates
 one scalar per parameter).
@@ -53,6 +61,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +69,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -144,6 +155,84 @@ class C10dOps(TorchDispatchMode):
         return sum(r["payload_bytes"] for r in self.ops.values())
 
 
+class PeakBreakdown(ShardTracker):
+    """``ShardTracker`` that also keeps, at the step's peak, which storages were live and who made them.
+
+    At every new peak the live storages created during the step are copied (key -> bytes) with the
+    phase of the step (``forward``, ``backward``, ``sync``, ``optimizer``), the op and, for those of
+    1 MiB or more, the function that allocated them, together with the storages of the gradients
+    that exist at that moment (``grad_keys``); :meth:`breakdown` sorts them into this step's sharded
+    gradients, FSDP2's unsharded gradients (``.grad`` of its unsharded parameters, before their
+    reduce-scatter), gathered parameters (FSDP2's ``resize_``), FSDP2's all-gather and reduce-scatter
+    buffers, and activations/temporaries, and names the largest of the last. The state (parameters,
+    AdamW moments, persistent buckets: every gradient without FSDP) is the baseline.
+    """
+
+    def __init__(self, baseline: int = 0, grad_keys: Any = lambda: (set(), set())) -> None:
+        super().__init__(baseline)
+        self.grad_keys = grad_keys  # () -> (sharded .grad storages, FSDP2's unsharded .grad storages), now
+        self.grads_at_peak: tuple[set[int], set[int]] = (set(), set())
+        self.phase = "forward"
+        self._made: dict[int, tuple] = {}  # key -> (phase, op, shape, dtype, allocating function)
+        self._resized_keys: set[int] = set()
+        self.at_peak: dict[int, tuple[int, tuple]] = {}  # key -> (bytes, what made it), at the peak
+        self.peak_phase = self.peak_op = ""
+        self._op = ""
+        self._snap_peak = -1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._op = func.overloadpacket.__name__
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = t.untyped_storage()._cdata
+        if key not in self._live:
+            where = ""
+            if t.untyped_storage().nbytes() >= 2**20:  # which function allocated it (FSDP2's buffers by name)
+                frames = [f for f in traceback.extract_stack()[:-3]
+                          if not any(x in f.filename for x in ("_python_dispatch", "_dynamo", "_compile.py", "eval_frame",
+                                                               "fsdp_memory.py", "_ops.py", "utils/_", "_tensor.py"))]
+                where = " < ".join(f"{Path(f.filename).name}:{f.name}" for f in frames[-4:][::-1])
+            self._made[key] = (self.phase, self._op, tuple(t.shape), str(t.dtype).replace("torch.", ""), where)
+        super()._track(t)
+
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        self._resized_keys.add(storage._cdata)
+        super()._resized(storage, before)
+
+    def _note_peak(self) -> None:
+        super()._note_peak()
+        if self.current >= self.peak and self.current > self._snap_peak:
+            self._snap_peak = self.current
+            unknown = ("before", "?", (), "?", "")  # FSDP2's unsharded parameters: storages of an earlier step
+            self.at_peak = {k: (b, self._made.get(k, unknown)) for k, b in self._live.items()}
+            self.peak_phase, self.peak_op = self.phase, self._op
+            self.grads_at_peak = self.grad_keys()
+
+    def breakdown(self, top: int = 12) -> dict:
+        """The peak as state + gradients + gathered parameters + FSDP2's all-gather / reduce-scatter
+        buffers + activations and temporaries (bytes), with the largest of the last."""
+        sharded, unsharded = self.grads_at_peak
+        g = sum(b for k, (b, _m) in self.at_peak.items() if k in sharded and k not in self._resized_keys)
+        ug = sum(b for k, (b, _m) in self.at_peak.items() if k in unsharded and k not in sharded | self._resized_keys)
+        gathered = sum(b for k, (b, _m) in self.at_peak.items() if k in self._resized_keys)
+        rest = [(b, m) for k, (b, m) in self.at_peak.items() if k not in sharded | unsharded | self._resized_keys]
+        ag = sum(b for b, m in rest if "foreach_all_gather" in m[4])
+        rs = sum(b for b, m in rest if "foreach_reduce" in m[4])
+        rest = [(b, m) for b, m in rest if "foreach_all_gather" not in m[4] and "foreach_reduce" not in m[4]]
+        by_phase: dict[str, int] = {}
+        for b, (phase, *_x) in rest:
+            by_phase[phase] = by_phase.get(phase, 0) + b
+        rest.sort(key=lambda r: -r[0])
+        return {"phase": self.peak_phase, "op": self.peak_op, "state_bytes": self.baseline,
+                "grad_bytes": g, "unsharded_grad_bytes": ug, "gathered_bytes": gathered, "all_gather_buffer_bytes": ag,
+                "reduce_scatter_buffer_bytes": rs, "activation_bytes": sum(b for b, _ in rest),
+                "activation_bytes_by_phase_made": by_phase,
+                "largest": [{"bytes": b, "phase": m[0], "op": m[1], "shape": list(m[2]), "dtype": m[3],
+                             **({"by": m[4]} if m[4] else {})}
+                            for b, m in rest[:top]]}
+
+
 def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicator, precision: str,
             meshes: dict[tuple[int, int], Any], crosscheck: bool = True) -> dict:
     """Rank 0's peak tensor memory and collective bytes for one steady-state step of ``setup``."""
@@ -187,14 +276,22 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         active: list[ShardTracker] = []  # the tracker of the measured step, to read after the forward
         after_forward: list[int] = []
 
+        def phase(name: str) -> None:
+            for t in active:
+                t.phase = name
+
         def step() -> None:  # what subnetdp.train.loop does per step (no clipping)
             for micro in range(setup.accum):
                 with averager.no_sync() if micro < setup.accum - 1 else contextlib.nullcontext():
+                    phase("forward")
                     with autocast:
                         loss = adapter.training_loss(model, data) / setup.accum
                     after_forward.extend(t.current for t in active)
+                    phase("backward")
                     loss.backward()
+            phase("sync")
             averager.finish()  # collective: the owner groups average the gradients
+            phase("optimizer")
             optimizer.step()
 
         averager.prepare()
@@ -205,10 +302,24 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         comm.bytes.reset()
         fsdp_bytes, ops = CollectiveBytes(), C10dOps()
         t0 = time.perf_counter()
-        with ops, fsdp_bytes, ShardTracker(baseline) as tracker:
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+        fsdp_params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+
+        def grad_keys() -> tuple[set[int], set[int]]:  # this step's gradients at this moment, by storage
+            # While a block is unsharded FSDP2 registers its unsharded parameters on the module: their
+            # .grad are the unsharded gradients (before the reduce-scatter), the DTensors' the shards.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            sharded = {g._local_tensor.untyped_storage()._cdata for g in grads if isinstance(g, DTensor)}
+            unsharded = {g.untyped_storage()._cdata for g in grads if fsdp_params and not isinstance(g, DTensor)}
+            unsharded |= {fp._unsharded_param.grad.untyped_storage()._cdata for fp in fsdp_params
+                          if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None}
+            return sharded, unsharded
+
+        with ops, fsdp_bytes, PeakBreakdown(baseline, grad_keys) as tracker:
             active.append(tracker)
             step()
             active.clear()
+        breakdown = tracker.breakdown()
         seconds = time.perf_counter() - t0
         sdp_payload, sdp_wire = comm.bytes.total(), comm.bytes.ring_estimate()  # before the cross-check's step
         cross = None
@@ -221,7 +332,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
             with fmt:
                 step()
             cross = sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())
-        if crosscheck and not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1:
+        if crosscheck and not setup.ac and S == 1 and precision == "fp32" and setup.accum == 1 and not setup.chunk:
             cross = llama_memory.measure(variant, setup.coverage, pm)["peak_bytes"]
     held = sum(ShardTracker._local(p).numel() for p in model.parameters())
     return {**row, "blocks_held": len(plan.owned[0]), "blocks": plan.num_units,
@@ -229,7 +340,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
             "state_bytes": baseline, "peak_bytes": tracker.peak, "transient_bytes": tracker.peak - baseline,
             "after_forward_bytes": after_forward[-1],  # live at the last loss: state, saved activations, logits
             "gathered_params_at_peak_bytes": tracker.gathered_at_peak, "gathered_params_max_bytes": tracker.gathered_peak,
-            "crosscheck_peak_bytes": cross,
+            "peak_breakdown": breakdown, "crosscheck_peak_bytes": cross,
             "crosscheck_by": ("FSDPMemTracker" if S > 1 else "llama_memory.measure") if cross is not None else None,
             "sdp_allreduce_payload_bytes": sdp_payload, "sdp_allreduce_wire_bytes": sdp_wire,
             "sdp_averager_bytes_per_step": averager.bytes_per_step(),
@@ -298,13 +409,34 @@ def loss_summary(rows: list[dict], precision: str) -> str:
     return f"1B LLaMA, {precision}, rank 0 of 8, chunked loss (model.loss_chunk=1024) vs full logits: " + "; ".join(parts)
 
 
+def breakdown_table(rows: list[dict], precision: str) -> str:
+    """What is live at each row's peak: state, this step's sharded and unsharded (FSDP2) gradients,
+    gathered parameters, FSDP2's all-gather and reduce-scatter buffers, activations and temporaries."""
+    head = (f"{'config':>21} {'C':>5} {'RxS':>5} {'peak':>6} {'state':>6} {'grads':>6} {'ungrad':>6} {'gather':>6} "
+            f"{'AG buf':>6} {'RS buf':>6} {'activ.':>6}  at the peak ({precision}, GiB)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "skipped" in r:
+            continue
+        b = r["peak_breakdown"]
+        label = r["mode"] + (" chunked" if r.get("loss_chunk") else "")
+        lines.append(f"{label:>21} {r['coverage']:>5g} {r['replicas']}x{r['shard']:<3} {r['peak_bytes'] / GiB:>6.2f} "
+                     f"{b['state_bytes'] / GiB:>6.2f} {b['grad_bytes'] / GiB:>6.2f} {b['unsharded_grad_bytes'] / GiB:>6.2f} "
+                     f"{b['gathered_bytes'] / GiB:>6.2f} "
+                     f"{b['all_gather_buffer_bytes'] / GiB:>6.2f} {b['reduce_scatter_buffer_bytes'] / GiB:>6.2f} "
+                     f"{b['activation_bytes'] / GiB:>6.2f}  {b['phase']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "both"), default=None,
+                    help="fp32 (the default), bf16, or both in one run and one JSON (the default with --loss)")
     ap.add_argument("--variants", nargs="+", default=["1b", "500m"], choices=["1b", "500m", "134m"])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--loss", action="store_true",
-                    help="the chunked LM-head loss against the full logits (1B; writes fsdp_memory_loss[_bf16].json)")
+                    help="the chunked LM-head loss against the full logits (1B, fp32 and bf16 unless --precision "
+                         "says one; writes fsdp_memory_loss.json, with what is live at each row's peak)")
     ap.add_argument("--rows", type=int, nargs="+", default=None, help="only these rows of the table (0-based)")
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the FSDPMemTracker / llama_memory cross-checks")
     args = ap.parse_args(argv)
@@ -313,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         setups = tuple(setups[i] for i in args.rows)
     if args.loss:
         args.variants = ["1b"]
+    if args.precision is None:
+        args.precision = "both" if args.loss else "fp32"
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     stem = "fsdp_memory_loss" if args.loss else "fsdp_memory"
-    out_path = args.out or RESULTS / (f"{stem}.json" if args.precision == "fp32" else f"{stem}_bf16.json")
+    out_path = args.out or RESULTS / (f"{stem}.json" if args.precision in ("fp32", "both") else f"{stem}_bf16.json")
     torch.set_num_threads(1)
     pm = PluginManager()
     comm = FakeCommunicator(0, WORLD)  # subnetdp's dry-run communicator over torch's fake process group
@@ -324,20 +459,24 @@ def main(argv: list[str] | None = None) -> int:
               for s in setups if s.shard > 1}
     rows = []
     t0 = time.perf_counter()
-    for variant in args.variants:
-        ddps: dict[int, dict] = {}  # the DDP row with the same number of micro-batches
+    for variant, precision in [(v, p) for p in precisions for v in args.variants]:
+        ddps: dict[int, dict] = {}  # the DDP row with the same number of micro-batches (and precision)
         for setup in setups:
-            r = measure(variant, setup, pm, comm, args.precision, meshes, not args.no_crosscheck)
+            r = measure(variant, setup, pm, comm, precision, meshes, not args.no_crosscheck)
             if "skipped" not in r:
                 ddp = ddps.setdefault(setup.accum, r)  # plain DDP (full logits): the baseline of every row
                 r["peak_ratio_to_ddp"] = r["peak_bytes"] / ddp["peak_bytes"]
                 r["payload_ratio_to_ddp"] = r["payload_bytes"] / ddp["payload_bytes"]
                 r["wire_ratio_to_ddp"] = r["wire_bytes"] / ddp["wire_bytes"]
             rows.append(r)
-            print(f"  {variant} {setup.mode} C={setup.coverage} {setup.replicas}x{setup.shard}: "
+            print(f"  {variant} {precision} {setup.mode} C={setup.coverage} {setup.replicas}x{setup.shard}: "
                   f"{r.get('peak_bytes', 0) / GiB:.2f} GiB ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    text = table(rows)
-    comparison = compare(rows, args.precision) if not args.loss else loss_summary(rows, args.precision)
+    text = "\n\n".join((f"{p}:\n" if len(precisions) > 1 else "") + table([r for r in rows if r["precision"] == p])
+                         for p in precisions)
+    if args.loss:
+        text += "\n\n" + "\n\n".join(breakdown_table([r for r in rows if r["precision"] == p], p) for p in precisions)
+    comparison = " ".join(compare([r for r in rows if r["precision"] == p], p) if not args.loss
+                          else loss_summary([r for r in rows if r["precision"] == p], p) for p in precisions)
     print(text + "\n\n" + comparison)
     out = {"benchmark": "fsdp_memory", "command": " ".join([Path(sys.executable).name] + sys.argv),
            "precision": args.precision, "world": WORLD, "rank": 0,
