@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 import subnetdp.plugins.models.llama.adapter as llama_module
 from subnetdp.core.contracts import DataSpec
-from subnetdp.plugins.models.llama.adapter import (VARIANTS, Llama, LlamaAdapter, LlamaConfig, apply_rotary,
-                                           rotary_tables)
+from subnetdp.plugins.models.llama.adapter import LlamaAdapter, LlamaConfig
+from subnetdp.plugins.models.llama.model import VARIANTS, Llama, apply_rotary, rotary_tables
 
 SPEC = DataSpec(vocab_size=257, seq_len=32)
 

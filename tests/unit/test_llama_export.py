@@ -12,7 +12,7 @@ from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import train
 from subnetdp.sdp.union import evaluate
 from subnetdp.export import export, load_reference
-from subnetdp.plugins.models.llama.adapter import Llama, LlamaArgs
+from subnetdp.plugins.models.llama.model import Llama, LlamaArgs
 from tests.helpers import plugin_manager, small_config
 
 

@@ -3,7 +3,7 @@
 Layouts need no change, only names:
 
 - every ``nn.Linear`` keeps its ``(out_features, in_features)`` weight, as HF's do;
-- rotary embeddings: :func:`~subnetdp.plugins.models.llama.adapter.apply_rotary` rotates the pairs
+- rotary embeddings: :func:`~subnetdp.plugins.models.llama.model.apply_rotary` rotates the pairs
   ``(x[i], x[i + head_dim/2])`` of each head (``cat(-x2, x1)`` with ``cos``/``sin`` repeated over
   both halves), which is exactly HF's ``rotate_half`` convention, so the rows of ``wq`` and ``wk``
   are copied as they are. (Meta's original checkpoints pair *interleaved* dims ``(2i, 2i+1)``; HF's
@@ -56,7 +56,7 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def hf_config(options: dict[str, Any], bos: int | None, eos: int | None, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of ``LlamaForCausalLM`` for :class:`~subnetdp.plugins.models.llama.adapter.LlamaArgs` options.
+    """``config.json`` of ``LlamaForCausalLM`` for :class:`~subnetdp.plugins.models.llama.model.LlamaArgs` options.
 
     ``rope_theta`` is written both at the top level (transformers 4.x) and in ``rope_parameters``
     (transformers 5.x); each version reads its own and ignores the other.

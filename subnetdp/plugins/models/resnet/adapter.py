@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from subnetdp.core.branches import HiddenSite
@@ -30,9 +29,9 @@ from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
+from subnetdp.plugins.models.resnet.model import VARIANTS, build_reference
 from subnetdp.plugins.models.resnet.neurons import STAGES, hidden_layers, materialize_neurons, neuron_partition
 
-VARIANTS = ("resnet18", "resnet34", "resnet50")
 
 
 @dataclass
@@ -51,24 +50,6 @@ class DroppedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.downsample(x))
-
-
-def build_reference(variant: str, num_classes: int, in_channels: int = 3, cifar_stem: bool = False,
-                    zero_init_residual: bool = False) -> nn.Module:
-    """The plain torchvision model subnetdp trains (also how to rebuild an exported one).
-
-    ``cifar_stem`` replaces the 7x7/2 stem convolution and max-pool with a 3x3/1 convolution, the
-    usual choice for 32x32 (or smaller) images.
-    """
-    model = torchvision.models.get_model(variant, weights=None, num_classes=num_classes,
-                                         zero_init_residual=zero_init_residual)
-    if cifar_stem or in_channels != 3:
-        k, s, p = (3, 1, 1) if cifar_stem else (7, 2, 3)
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=k, stride=s, padding=p, bias=False)
-        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
-    if cifar_stem:
-        model.maxpool = nn.Identity()
-    return model
 
 
 def named_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
