@@ -33,6 +33,7 @@ from torch import nn
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
+from subnetdp.train.checkpoints.resume import read_plan
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSlice
 from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
@@ -102,15 +103,9 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
 
 
 def _plan(ckpt: Path, manifest: dict[str, Any], partition: Partition) -> MaskPlan:
-    path = ck.verify_file(ckpt, "plan.json", manifest)
-    try:
-        plan = MaskPlan.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (SubnetdpError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: not a valid mask plan ({e})") from None
-    if plan.digest() != manifest["plan_digest"] or plan.world_size != manifest["world_size"]:
-        raise CheckpointError(f"{path}: does not match {ck.MANIFEST} (plan digest or world size)")
+    plan = read_plan(ckpt, manifest)
     if plan.num_units != len(partition.units):
-        raise CheckpointError(f"{path}: plans {plan.num_units} units, the model has {len(partition.units)}")
+        raise CheckpointError(f"{ckpt / 'plan.json'}: plans {plan.num_units} units, the model has {len(partition.units)}")
     return plan
 
 
@@ -130,20 +125,7 @@ def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: u
         return target[s.name] if s.dim is None else target[s.name].narrow(s.dim, s.start, s.stop - s.start)
 
     def fill_buffer(s: Any, owners: tuple[int, ...]) -> None:
-        dst = dst_of(s)
-        sources = owners if dst.dtype.is_floating_point else owners[:1]
-        key = units.piece_key(s.name, s.dim, s.start, s.stop)
-        value = None
-        for r in sources:
-            f = reader.rank_buffers(r)
-            t = f.get(key)
-            if tuple(t.shape) != tuple(dst.shape):
-                raise CheckpointError(f"{f.path}: {key} has shape {tuple(t.shape)}, the model needs "
-                                      f"{tuple(dst.shape)}: the checkpoint is from a different model")
-            value = t.clone() if value is None else value.add_(t)
-        if len(sources) > 1:
-            value /= len(sources)
-        dst.copy_(value.to(dst.dtype))
+        units.read_buffer_mean(reader, units.piece_key(s.name, s.dim, s.start, s.stop), owners, dst_of(s))
 
     for unit in partition.units:
         for s in unit.slices:

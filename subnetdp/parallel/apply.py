@@ -110,21 +110,6 @@ class Parallelism:
             yield
         self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = counter.payload, counter.wire, dict(counter.by_kind)
 
-    def optimizer_state_out(self, state: dict) -> dict:
-        """An optimizer state dict a checkpoint can hold (shards as plain tensors)."""
-        if not self.sharded:
-            return state
-        from subnetdp.parallel.fsdp import state_to_local
-
-        return state_to_local(state)
-
-    def optimizer_state_in(self, optimizer: torch.optim.Optimizer) -> None:
-        """After loading a state saved by :meth:`optimizer_state_out`: shards become sharded tensors again."""
-        if self.sharded:
-            from subnetdp.parallel.fsdp import state_from_local
-
-            state_from_local(optimizer)
-
     def optimizer_state_full(self, optimizer: torch.optim.Optimizer) -> list[dict]:
         """Each optimizer parameter's state (in the optimizer's order), sharded state gathered to
         full tensors. Collective over each shard group when sharded."""

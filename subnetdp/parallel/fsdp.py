@@ -99,23 +99,6 @@ def gathered(model: nn.Module, writeback: bool = False) -> Iterator[None]:
             module._parameters[name] = p
 
 
-def state_to_local(state: dict) -> dict:
-    """An optimizer ``state_dict`` with each sharded state tensor replaced by this rank's shard."""
-    return {**state, "state": {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}}
-
-
-def state_from_local(optimizer: torch.optim.Optimizer) -> None:
-    """After ``load_state_dict`` of :func:`state_to_local` output: re-wrap shards like their parameters."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
-                    optimizer.state[p][k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements,
-                                                               shape=p.shape, stride=p.stride(), run_check=False)
-
-
 def state_full(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Every parameter's optimizer state with sharded tensors gathered (in the optimizer's order).
 

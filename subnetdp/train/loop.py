@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,7 +21,7 @@ from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.runlock import RunLock, RunLockedError
-from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.train.checkpoints.resume import Checkpointer, seed_host_rngs
 from subnetdp.train.stopping import Interrupted, StopRequest, hold_for_test, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
@@ -39,13 +37,6 @@ def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
     n = int(cfg.launch.threads_per_rank) or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
     torch.set_num_threads(n)
     return n
-
-
-def seed_host_rngs(seed: int) -> None:
-    """Python's and numpy's global random states from ``seed`` (saved in checkpoints, so they must agree
-    between two runs of the same seed; torch's is seeded where the model is built)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
 
 
 def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:

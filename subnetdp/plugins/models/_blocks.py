@@ -17,6 +17,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from subnetdp.core.contracts import DataSpec, ParamMap, Partition, TensorSlice, Unit
+from subnetdp.core.errors import ConfigError, suggest
+
+
+def check_variant(variant: str, variants: Sequence[str]) -> None:
+    """``model.variant`` must be one of ``variants``: else one line naming them (and the closest)."""
+    if variant not in variants:
+        raise ConfigError("model.variant", variant, f"valid choices: {', '.join(variants)}" + suggest(variant, variants))
 
 
 def measure_module_flops(model: nn.Module, spec: DataSpec, default_size: int) -> dict[str, float]:

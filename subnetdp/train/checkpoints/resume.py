@@ -342,10 +342,16 @@ def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
     return plan
 
 
-def reseed(seed: int) -> None:
-    """Host RNGs of a rank whose old stream has no counterpart (a resume on another world size)."""
+def seed_host_rngs(seed: int) -> None:
+    """Python's and numpy's global random states from ``seed`` (saved in checkpoints, so they must agree
+    between two runs of the same seed)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def reseed(seed: int) -> None:
+    """Host RNGs of a rank whose old stream has no counterpart (a resume on another world size)."""
+    seed_host_rngs(seed)
     torch.manual_seed(seed)
 
 

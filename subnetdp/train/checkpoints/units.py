@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -265,21 +265,27 @@ def load_buffers(reader: PieceReader, rank: int, partition: Partition, plan: Mas
         found = index.find(it) if rank in it.owners else None
         if found is None:
             continue
-        key, dst = item_key(it), _cut(index.tensors[found[0]], found)
+        dst = _cut(index.tensors[found[0]], found)
         sources = (rank,) if own else (old_plan.owners(it.unit) if it.unit is not None else old_world)
-        if not dst.dtype.is_floating_point:
-            sources = sources[:1]
-        value = None
-        for r in sources:  # summed in rank order, then divided, as the union model's statistics are
-            f = reader.rank_buffers(r)
-            t = f.get(key)
-            if tuple(t.shape) != tuple(dst.shape):
-                raise CheckpointError(f"{f.path}: tensor {key} has shape {tuple(t.shape)}, this model needs "
-                                      f"{tuple(dst.shape)}: the checkpoint is from a different model")
-            value = t.clone() if value is None else value.add_(t)
-        if len(sources) > 1:
-            value /= len(sources)
-        dst.copy_(value)
+        read_buffer_mean(reader, item_key(it), sources, dst)
+
+
+@torch.no_grad()
+def read_buffer_mean(reader: PieceReader, key: str, owners: Sequence[int], dst: torch.Tensor) -> None:
+    """``dst`` = the mean of ``owners``' copies of buffer ``key`` (summed in rank order, then divided,
+    as the in-run all-reduce of the union's statistics does); an integer buffer from ``owners[0]``."""
+    sources = tuple(owners) if dst.dtype.is_floating_point else tuple(owners)[:1]
+    value = None
+    for r in sources:
+        f = reader.rank_buffers(r)
+        t = f.get(key)
+        if tuple(t.shape) != tuple(dst.shape):
+            raise CheckpointError(f"{f.path}: tensor {key} has shape {tuple(t.shape)}, this model needs "
+                                  f"{tuple(dst.shape)}: the checkpoint is from a different model")
+        value = t.clone() if value is None else value.add_(t)
+    if len(sources) > 1:
+        value /= len(sources)
+    dst.copy_(value)
 
 
 def carry_position(state: dict[str, Any], old: tuple[int, int], new: tuple[int, int],

@@ -47,9 +47,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
-from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.plugins.models._blocks import assemble_partition, identity_param_map, make_block_unit
+from subnetdp.plugins.models._blocks import assemble_partition, check_variant, identity_param_map, make_block_unit
 from subnetdp.plugins.models.llama.neurons import materialize_neurons, neuron_partition
 from subnetdp.plugins.models.llama.model import DEFAULT_VOCAB, VARIANTS, Llama, LlamaArgs, init_tensor, rotary_tables
 
@@ -87,9 +87,7 @@ class LlamaAdapter(ModelAdapter):
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
-        if cfg.variant not in VARIANTS:
-            raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
-                              + suggest(cfg.variant, VARIANTS))
+        check_variant(cfg.variant, VARIANTS)
         if cfg.loss_chunk < 0:
             raise ConfigError("model.loss_chunk", cfg.loss_chunk, "must be >= 0",
                               "0 computes all logits at once; e.g. 1024 tokens per chunk")

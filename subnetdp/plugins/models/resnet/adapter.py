@@ -25,9 +25,9 @@ from torch import nn
 
 from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
-from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
+from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
 from subnetdp.plugins.models.resnet.model import VARIANTS, build_reference
 from subnetdp.plugins.models.resnet.neurons import STAGES, hidden_layers, materialize_neurons, neuron_partition
@@ -66,9 +66,7 @@ class ResNetAdapter(ModelAdapter):
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
-        if cfg.variant not in VARIANTS:
-            raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
-                              + suggest(cfg.variant, VARIANTS))
+        check_variant(cfg.variant, VARIANTS)
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """torchvision's ResNet initialisation, module by module: convolutions Kaiming-normal (fan out),

@@ -34,9 +34,9 @@ from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTran
 
 from subnetdp.core.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
-from subnetdp.core.errors import ConfigError, suggest
+from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.plugins.models._blocks import (assemble_partition, classification_metrics, identity_param_map,
+from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
 from subnetdp.plugins.models.swin.model import VARIANTS, build_reference
 from subnetdp.plugins.models.swin.neurons import materialize_neurons, neuron_partition
@@ -90,9 +90,7 @@ class SwinAdapter(ModelAdapter):
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
-        if cfg.variant not in VARIANTS:
-            raise ConfigError("model.variant", cfg.variant, f"valid choices: {', '.join(VARIANTS)}"
-                              + suggest(cfg.variant, VARIANTS))
+        check_variant(cfg.variant, VARIANTS)
         arch = architecture(cfg)
         depths, heads = arch["depths"], arch["num_heads"]
         if len(depths) != len(heads):
