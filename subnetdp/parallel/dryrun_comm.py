@@ -37,7 +37,7 @@ class DryRunCommunicator(Communicator):
         return DoneHandle()
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
-        return None
+        self.bytes.add(self.world if group is None else tuple(group), tensor.numel() * tensor.element_size())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj] * self.world_size

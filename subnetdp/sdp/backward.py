@@ -153,8 +153,7 @@ class Refresher:
                     buf[off:off + it.numel].view(it.shape).copy_(self.index.view(it))
                     off += it.numel
             # collective: every rank issues every chunk, sources in rank order.
-            self.comm.broadcast(buf, src)
-            self.comm.bytes.add(self.comm.world, buf.numel() * buf.element_size())
+            self.comm.broadcast(buf, src)  # counted by the communicator, under the caller's "refresh" phase
             sent += buf.numel() * buf.element_size()
             if self.comm.rank != src:
                 off = 0

@@ -519,6 +519,7 @@ def _summarise(run: Run, meter: Meter, done: int) -> dict[str, Any]:
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
             "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": run.plan.owned[run.rank],
             "bytes_by_group": bytes_by_group(meter.group_bytes(), max(run.step, 1)),
+            "bytes_by_phase": meter.phase_bytes(),
             "params_sha256": digest, **run.parallel.describe(),
             "fsdp_bytes_per_step": dict(run.parallel.fsdp_by_kind),
             "sync": "dense" if run.averager is not None and run.averager.dense else "grouped"}

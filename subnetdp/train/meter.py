@@ -37,6 +37,7 @@ class Meter:
         self.last_step_time = 0.0
         self.peak_cpu = 0
         self._groups_at_start = dict(comm.bytes.by_group)
+        self._phases_at_start = {p: comm.bytes.total(p) for p in comm.bytes.by_phase}
         self._refresh_at_start = comm.bytes.total("refresh")
         self._ring_at_start = comm.bytes.ring_estimate()
         self._untimed = 0.0
@@ -68,6 +69,12 @@ class Meter:
         """Gradient payload per owner group since the first step of this process."""
         start = self._groups_at_start
         return {g: n - start.get(g, 0) for g, n in self.comm.bytes.by_group.items()}
+
+    def phase_bytes(self) -> dict[str, int]:
+        """Payload outside the training step since the first step of this process, by phase (the
+        evaluation's fetches, the guard, the log's losses, the refresh, a re-draw, the stop flag)."""
+        start = self._phases_at_start
+        return {p: self.comm.bytes.total(p) - start.get(p, 0) for p in sorted(self.comm.bytes.by_phase)}
 
     def bytes_per_step(self, done: int) -> tuple[float, float]:
         """Payload and ring wire estimate per step over ``done`` steps: averaging, refresh and FSDP's own."""

@@ -35,10 +35,15 @@ def _one(rank: int, world: int, init_method: str, name: str, *overrides: str) ->
         with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
                            scales) as probe:
             out["block_bytes"], out["staging"], resident = probe.block_bytes, probe.staging_bytes, probe.resident_bytes
-        with TensorMemoryTracker(state) as tracker:
+        counter = run.comm.bytes
+        eval_before, step_before = counter.total("eval"), dict(counter.by_group)
+        with TensorMemoryTracker(state) as tracker, counter.phase("eval"):
             with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
                                scales) as union:  # collective
                 out["streamed"] = evaluate(union.module, run.adapter, run.data, cfg, device=run.comm.device)
+        out["metered"] = counter.total("eval") - eval_before  # the communicator's own count, by phase
+        out["step_bytes_untouched"] = counter.by_group == step_before
+        out["summary_phases"] = run.summary["ranks"][rank]["bytes_by_phase"]
         out["fetched"], out["state"], out["resident"], out["peak"] = union.fetched_bytes, state, resident, tracker.peak
         unit_bytes = sum(run.partition.unit_numel(u) for u in run.partition.units) * 4
         buffer_bytes = sum(t.numel() * t.element_size() for t in union.module.buffers())
@@ -74,6 +79,11 @@ def test_streamed_union_equals_assembled_and_stays_small(tmp_path):
         assert b["streamed"] == a["streamed"] and b["loop"] == a["loop"] and b["x1"] == a["x1"], level
         # Bytes: every buffer once, every unit parameter once per forward.
         assert a["fetched"] == b["fetched"] == a["expected_fetch"], level
+        # The communicator meters the same bytes under the evaluation's phase, apart from the step's;
+        # the loop's summary reports its own evaluation's bytes by phase.
+        assert a["metered"] == a["fetched"] and b["metered"] == b["fetched"], level
+        assert a["step_bytes_untouched"] and b["step_bytes_untouched"], level
+        assert a["summary_phases"]["eval"] >= a["expected_fetch"], (level, a["summary_phases"])
         # Memory: own training state + one block's unit parameters (with its one staging piece) + every
         # buffer (resident: recalibration accumulates across batches) + the evaluation's activations.
         bound = a["state"] + a["block_bytes"] + a["staging"] + a["resident"] + a["activations"]

@@ -200,6 +200,7 @@ class MpiCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
         key = self.world if group is None else tuple(group)
+        self.bytes.add(key, tensor.numel() * tensor.element_size())  # the payload every member hands over
         if len(key) == 1:
             return
         comm = self._comm(key)

@@ -159,6 +159,8 @@ class TorchDistCommunicator(Communicator):
         return WorkHandle(work, self, key) if async_op else WorkHandle(None)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
+        key = self.world if group is None else tuple(group)
+        self.bytes.add(key, tensor.numel() * tensor.element_size())  # the payload every member hands over
         pg = self._pg(group)
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
 
