@@ -74,7 +74,7 @@ def row_overrides(row: str, task: Task) -> list[str]:
 def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
     """Forward (and forward + backward) FLOPs of the ranks' local models relative to the full model,
     mean over ranks, measured with ``FlopCounterMode`` on one real training batch of each rank."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from subnetdp.core.config import compose
@@ -94,11 +94,13 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
             model, _ = local_model(adapter, copy.deepcopy(full), plan.owned[rank], partition, cfg.masker)
             model.train()
             batch = next(iter(data.train_loader(rank, task.world_size, int(cfg.train.batch_size))))
-            # Under FakeTensorMode nothing is computed: the counts are those of the real shapes.
-            with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as f:
+            # The full model, hence the local one, lives on ``meta``: nothing is computed, and the
+            # counts are those of the real batch's shapes.
+            batch = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch)
+            with FlopCounterMode(display=False) as f:
                 loss = adapter.loss(model(adapter.inputs(batch)), batch)
             fwd.append(f.get_total_flops())
-            with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as t:
+            with FlopCounterMode(display=False) as t:
                 loss = adapter.loss(model(adapter.inputs(batch)), batch)
                 loss.backward()
             train.append(t.get_total_flops())
