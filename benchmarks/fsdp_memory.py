@@ -267,7 +267,7 @@ def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicato
         else:
             averager = OwnerGroupAverager(model, pmap, plan, partition, comm, float(cfg.sync.bucket_cap_mb),
                                           int(cfg.sync.max_groups))
-        # As the loop (subnetdp.parallel.apply.Parallelism.autocast): no weight cache under AC.
+        # As the loop (subnetdp.parallel.apply.RankParallelism.autocast): no weight cache under AC.
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=not setup.ac)
                     if precision == "bf16" and S == 1 else contextlib.nullcontext())
         tokens = torch.zeros(batch, seq, dtype=torch.int64)

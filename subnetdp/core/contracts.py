@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from subnetdp.core.plan import MaskPlan
+    from subnetdp.core.runlock import RunLock
 
 
 # --------------------------------------------------------------------------- data types
@@ -680,8 +681,10 @@ class GradSynchronizer(Protocol):
     def scale_grads_(self, coef: float) -> None:
         """Multiply every gradient by ``coef`` in place."""
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip to ``max_norm``; returns the norm before clipping."""
+    def defer_nonfinite(self, step: int) -> bool:
+        """A non-finite loss or gradient at ``step`` was seen on some rank: True if this synchroniser
+        takes it over (local steps: this rank skips its inner step and every rank hears of it at the
+        next synchronisation), False to let the guard apply ``train.on_nonfinite`` now."""
 
     def bytes_per_step(self) -> int:
         """Payload this rank hands to gradient collectives per step."""
@@ -694,6 +697,49 @@ class GradSynchronizer(Protocol):
 
     def owner_groups(self) -> "list[tuple[int, ...]]":
         """The owner sets this rank averages with."""
+
+    def describe(self) -> "dict[str, Any]":
+        """This synchroniser's fields of the summary (per rank): ``sync_mode`` and its figures."""
+
+
+class Parallelism(Protocol):
+    """What the loop asks of the parallelisms applied to a rank's model from outside it (activation
+    checkpointing, compile, precision, FSDP): ``subnetdp.parallel.apply.RankParallelism``.
+
+    Without FSDP every method is the plain path, so the loop never branches on "sharded or not".
+    """
+
+    fsdp_bytes: int
+    fsdp_wire: float
+    fsdp_by_kind: dict[str, float]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded with FSDP (``fsdp.shard_size`` > 1)."""
+
+    def averager(self) -> GradSynchronizer:
+        """The gradient synchroniser for this rank's (possibly sharded) model. Collective (creates groups)."""
+
+    def autocast(self) -> ContextManager[Any]:
+        """The forward's autocast context (bf16 without FSDP; FSDP's policy casts when sharded)."""
+
+    def memory_tracker(self, baseline: int) -> ContextManager[Any]:
+        """The tensor-memory tracker of the measured step (its ``peak`` in bytes after the block)."""
+
+    def gathered(self, writeback: bool = False) -> ContextManager[None]:
+        """The model with full (unsharded) parameters inside the block. Collective when sharded."""
+
+    def counting(self, active: bool) -> ContextManager[None]:
+        """Measure FSDP's own collectives during the block into ``fsdp_bytes`` / ``fsdp_by_kind``."""
+
+    def optimizer_state_full(self, optimizer: "torch.optim.Optimizer") -> list[dict]:
+        """Each optimizer parameter's state, sharded state gathered to full tensors. Collective when sharded."""
+
+    def optimizer_state_from_full(self, optimizer: "torch.optim.Optimizer") -> None:
+        """After loading full-shaped state: each rank keeps its shards."""
+
+    def describe(self) -> dict[str, Any]:
+        """Figures for the summary (shard size, precision, checkpointed and compiled blocks, sync mode)."""
 
 
 @dataclass
@@ -713,8 +759,8 @@ class Run:
     run_dir: Path
     optimizer: "Optional[torch.optim.Optimizer]" = None
     averager: Optional[GradSynchronizer] = None
-    parallel: Any = None  # subnetdp.parallel.apply.Parallelism (a floor above this one)
-    lock: Any = None  # rank 0's hold on run_dir (subnetdp.core.runlock.RunLock): one job per run directory
+    parallel: Optional[Parallelism] = None  # made by subnetdp.parallel.apply.parallelize (a floor above)
+    lock: "Optional[RunLock]" = None  # rank 0's hold on run_dir: one job per run directory
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     eval_union: dict[str, Any] = field(default_factory=dict)  # how the union was evaluated (summary.json)

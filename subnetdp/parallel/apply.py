@@ -1,4 +1,5 @@
-"""What the loop asks of the parallelisms: :func:`parallelize` and the :class:`Parallelism` it returns."""
+"""What the loop asks of the parallelisms: :func:`parallelize` and the :class:`RankParallelism` it returns
+(the :class:`~subnetdp.core.contracts.Parallelism` protocol)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from subnetdp.core.contracts import GradSynchronizer
 from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.parallel.checkpointing import apply_ac
 from subnetdp.parallel.compile import apply_compile
 
 
-class Parallelism:
+class RankParallelism:
     """Activation checkpointing, compile, precision and (optionally) FSDP of one rank's model.
 
     Without FSDP every method is the plain path: the loop never branches on "sharded or not".
@@ -28,7 +30,7 @@ class Parallelism:
         self.checkpointed = apply_ac(blocks, int(cfg.train.activation_checkpointing))
         self.compiled = apply_compile(blocks, str(cfg.train.compile_backend)) if cfg.train.compile else 0
         self.mesh = None
-        self.synchroniser: Any = None  # made by :meth:`averager`
+        self.synchroniser: GradSynchronizer | None = None  # made by :meth:`averager`
         # FSDP's all-gather and reduce-scatter bytes of one step, measured by :meth:`counting`.
         self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = 0, 0.0, {}
         if self.shard_size > 1:
@@ -42,7 +44,7 @@ class Parallelism:
     def sharded(self) -> bool:
         return self.shard_size > 1
 
-    def averager(self) -> Any:
+    def averager(self) -> GradSynchronizer:
         """The gradient synchroniser for this rank's (possibly sharded) model. Collective (creates groups)."""
         run, cfg = self.run, self.run.cfg
         if str(cfg.sync.mode) == "local_steps":  # FSDP is refused for it before any process group exists
@@ -57,11 +59,13 @@ class Parallelism:
         if self.sharded:
             from subnetdp.parallel.fsdp import ShardedOwnerAverager
 
-            return ShardedOwnerAverager(run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition,
-                                        run.comm, self.shard_size, float(cfg.sync.bucket_cap_mb),
-                                        bool(cfg.fsdp.reduce_each_micro_batch))
-        return OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
-                                  float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+            self.synchroniser = ShardedOwnerAverager(
+                run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition, run.comm, self.shard_size,
+                float(cfg.sync.bucket_cap_mb), bool(cfg.fsdp.reduce_each_micro_batch))
+            return self.synchroniser
+        self.synchroniser = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
+                                               float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+        return self.synchroniser
 
     def autocast(self) -> Any:
         """bf16 autocast around forward and loss; FSDP's mixed-precision policy casts when sharded.
@@ -134,15 +138,15 @@ class Parallelism:
 
 
 def autocast_for(precision: str, device_type: str, sharded: bool, checkpointed: bool) -> Any:
-    """The forward's autocast context of :meth:`Parallelism.autocast` (also used by the plan's dry run)."""
+    """The forward's autocast context of :meth:`RankParallelism.autocast` (also used by the plan's dry run)."""
     if precision == "bf16" and not sharded:
         return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=not checkpointed)
     return contextlib.nullcontext()
 
 
-def parallelize(run: Any) -> Parallelism:
+def parallelize(run: Any) -> RankParallelism:
     """Apply checkpointing, compile and FSDP (in that order, as torchtitan does) to ``run.model``."""
-    return Parallelism(run)
+    return RankParallelism(run)
 
 
 def local_numel(model: nn.Module) -> int:

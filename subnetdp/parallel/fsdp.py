@@ -398,3 +398,9 @@ class ShardedOwnerAverager:
 
     def owner_groups(self) -> list[tuple[int, ...]]:
         return sorted({b.group for b in self.buckets})
+
+    def defer_nonfinite(self, step: int) -> bool:
+        return False  # every step is synchronised: the guard applies train.on_nonfinite at once
+
+    def describe(self) -> dict[str, Any]:
+        return {"sync_mode": "every_step"}

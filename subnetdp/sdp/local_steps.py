@@ -70,7 +70,6 @@ class LocalStepsSynchronizer:
     # The inner step's inf/NaN check is this rank's own (no collective between synchronisations):
     # the guard reads :meth:`carried` and never folds flags over the world.
     replicated = True
-    defers_nonfinite = True  # the inf/NaN guard hands a bad step to defer_nonfinite
 
     def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
                  comm: Communicator, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
@@ -134,9 +133,10 @@ class LocalStepsSynchronizer:
         for g in self.local_grads():
             g.mul_(coef)
 
-    def defer_nonfinite(self, step: int) -> None:
-        """This rank skipped inner step ``step`` (inf/NaN); every rank hears of it at the next synchronisation."""
+    def defer_nonfinite(self, step: int) -> bool:
+        """This rank skips inner step ``step`` (inf/NaN); every rank hears of it at the next synchronisation."""
         self.nonfinite[self.comm.rank] += 1
+        return True
 
     # ------------------------------------------------------------------ synchronisation
     def due(self, step: int, last: int) -> bool:

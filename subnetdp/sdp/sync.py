@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
+from subnetdp.core.contracts import Communicator, GradSynchronizer, Handle, ParamMap, Partition
 from subnetdp.core.errors import NonFiniteError
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
@@ -402,6 +402,12 @@ class OwnerGroupAverager:
     def owner_groups(self) -> list[tuple[int, ...]]:
         return sorted({b.owners for b in self.buckets})
 
+    def defer_nonfinite(self, step: int) -> bool:
+        return False  # every step is synchronised: the guard applies train.on_nonfinite at once
+
+    def describe(self) -> dict[str, Any]:
+        return {"sync_mode": "every_step"}
+
 
 def clip_to(averager: "OwnerGroupAverager", norm: float, max_norm: float) -> None:
     """Scale every gradient by ``max_norm / norm`` when the norm is above ``max_norm`` (0: no clipping)."""
@@ -446,7 +452,7 @@ class NonFiniteGuard:
     def __init__(self, comm: Communicator, policy: str = "stop", last_good: Callable[[], Any] = lambda: None) -> None:
         self.comm, self.policy, self.last_good = comm, policy, last_good
 
-    def carry(self, sync: Any, loss: torch.Tensor) -> None:
+    def carry(self, sync: GradSynchronizer, loss: torch.Tensor) -> None:
         """Hand this rank's "loss is not finite" flag to the synchroniser, before the last backward.
 
         No host synchronisation happens here.
@@ -455,7 +461,7 @@ class NonFiniteGuard:
         flags[self.comm.rank] = (~torch.isfinite(loss)).any().float()
         sync.carry(flags)
 
-    def check(self, step: int, sync: Any, loss: torch.Tensor, need_norm: bool) -> tuple[bool, float | None]:
+    def check(self, step: int, sync: GradSynchronizer, loss: torch.Tensor, need_norm: bool) -> tuple[bool, float | None]:
         """Whether every rank's loss and averaged gradients are finite; and the gradient norm if asked.
 
         Collective below C = 1 (every rank calls it once per step).
@@ -489,10 +495,9 @@ class NonFiniteGuard:
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if not ranks:
             return True, norm
-        if getattr(sync, "defers_nonfinite", False):
+        if sync.defer_nonfinite(step):
             # Local steps: no collective between synchronisations; this rank skips its step, and every
             # rank hears of it at the next synchronisation (which applies train.on_nonfinite).
-            sync.defer_nonfinite(step)
             return False, norm
         where = f"step {step}, rank(s) {', '.join(map(str, ranks))}"
         if self.policy == "skip":
@@ -503,7 +508,7 @@ class NonFiniteGuard:
                              f"{self.last_good() or 'none (no checkpoint was written yet)'} — lower optim.lr, set "
                              "optim.clip_grad_norm, or set train.on_nonfinite=skip")
 
-    def clip(self, sync: Any, norm: float | None, max_norm: float) -> None:
+    def clip(self, sync: GradSynchronizer, norm: float | None, max_norm: float) -> None:
         """Scale the gradients so their global norm is at most ``max_norm`` (0: no clipping)."""
         if max_norm > 0:
             clip_to(sync, float(norm), max_norm)

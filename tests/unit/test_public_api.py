@@ -108,7 +108,8 @@ FROZEN_API: dict[str, list[str]] = {
         "bytes_per_step(self) -> 'int'",
         'carried(self) -> "\'Optional[torch.Tensor]\'"',
         'carry(self, flags: "\'torch.Tensor\'") -> \'bool\'',
-        "clip_grad_norm_(self, max_norm: 'float') -> 'float'",
+        "defer_nonfinite(self, step: 'int') -> 'bool'",
+        'describe(self) -> "\'dict[str, Any]\'"',
         "finish(self) -> 'None'",
         'grad_norm(self, flags: "\'Optional[torch.Tensor]\'" = None) -> \'float\'',
         'local_grads(self) -> "\'list[torch.Tensor]\'"',
@@ -178,6 +179,18 @@ FROZEN_API: dict[str, list[str]] = {
     ],
     'NonFiniteError': [
     ],
+    'Parallelism': [
+        '__init__(self, *args, **kwargs)',
+        "autocast(self) -> 'ContextManager[Any]'",
+        "averager(self) -> 'GradSynchronizer'",
+        "counting(self, active: 'bool') -> 'ContextManager[None]'",
+        "describe(self) -> 'dict[str, Any]'",
+        "gathered(self, writeback: 'bool' = False) -> 'ContextManager[None]'",
+        "memory_tracker(self, baseline: 'int') -> 'ContextManager[Any]'",
+        'optimizer_state_from_full(self, optimizer: "\'torch.optim.Optimizer\'") -> \'None\'',
+        'optimizer_state_full(self, optimizer: "\'torch.optim.Optimizer\'") -> \'list[dict]\'',
+        'sharded: property',
+    ],
     'ParamMap': [
         "__init__(self, pieces: 'dict[str, list[Piece]]', unit_of: 'dict[str, int | None]') -> None",
         "global_names(self) -> 'list[str]'",
@@ -209,7 +222,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'Run': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Any\' = None, lock: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, eval_union: \'dict[str, Any]\' = <factory>, alignment: \'list[dict[str, float]]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Optional[Parallelism]\' = None, lock: "\'Optional[RunLock]\'" = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, eval_union: \'dict[str, Any]\' = <factory>, alignment: \'list[dict[str, float]]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
         'rank: property',
     ],
     'SubnetdpError': [
