@@ -91,7 +91,8 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
         data, spec, adapter, full, partition, plan = build_plan(cfg, task.world_size, pm)
         fwd, train = [], []
         for rank in range(task.world_size):
-            model, _ = local_model(adapter, copy.deepcopy(full), plan.owned[rank], partition, cfg.masker)
+            with torch.device("meta"):  # modules made while narrowing stay on meta too
+                model, _ = local_model(adapter, copy.deepcopy(full), plan.owned[rank], partition, cfg.masker)
             model.train()
             batch = next(iter(data.train_loader(rank, task.world_size, int(cfg.train.batch_size))))
             # The full model, hence the local one, lives on ``meta``: nothing is computed, and the
@@ -178,31 +179,34 @@ def run_study(args: argparse.Namespace) -> None:
     old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     meta_path.write_text(json.dumps({**meta, "wall_s_total": old.get("wall_s_total", 0.0), "finished": False}, indent=1))
     t_start = time.perf_counter()
-    for tname in args.tasks:
-        task = TASKS[tname]
-        steps = max(1, round((task.quick_steps if args.quick else task.steps) * args.steps_scale))
-        rows = plan_rows(args.quick)
+    tasks = [TASKS[t] for t in args.tasks]
+    flops: dict[str, dict] = {}
+    for task in tasks:
         flops_path = out / "runs" / task.name / "flops.json"
         if flops_path.is_file() and not args.fresh:
-            flops = json.loads(flops_path.read_text())
+            flops[task.name] = json.loads(flops_path.read_text())
         else:
-            flops = flop_ratios(task, rows)
+            flops[task.name] = flop_ratios(task, plan_rows(args.quick))
             flops_path.parent.mkdir(parents=True, exist_ok=True)
-            flops_path.write_text(json.dumps(flops, indent=1))
-        for seed in seeds:
-            for row in rows:
-                rec = run_one(task, row, seed, steps, out, flops[row], args.fresh, args.quick)
+            flops_path.write_text(json.dumps(flops[task.name], indent=1))
+    # Seeds outermost: an interrupted study holds whole seeds of every task, not one task's seeds.
+    for i, seed in enumerate(seeds):
+        for task in tasks:
+            steps = max(1, round((task.quick_steps if args.quick else task.steps) * args.steps_scale))
+            for row in plan_rows(args.quick):
+                ratio = flops[task.name][row]["forward"]
+                rec = run_one(task, row, seed, steps, out, flops[task.name][row], args.fresh, args.quick)
                 print(f"{task.name:9} {row:8} seed {seed}  {rec['steps']:4} steps  {rec['wall_s']:6.0f} s  "
                       f"{task.metric} {rec['eval'].get(task.metric, float('nan')):.4f}", flush=True)
-                ratio = flops[row]["forward"]
                 if row in SDP_ROWS and ratio < 0.999:  # FLOP-matched: more steps for the cheaper forward
-                    fm = run_one(task, row + " FM", seed, max(1, round(steps / ratio)), out, flops[row], args.fresh,
-                                 args.quick)
+                    fm = run_one(task, row + " FM", seed, max(1, round(steps / ratio)), out, flops[task.name][row],
+                                 args.fresh, args.quick)
                     print(f"{task.name:9} {row + ' FM':8} seed {seed}  {fm['steps']:4} steps  {fm['wall_s']:6.0f} s  "
                           f"{task.metric} {fm['eval'].get(task.metric, float('nan')):.4f}", flush=True)
-        for row in MEMORY_ROWS:
-            run_one(task, row, 0, MEMORY_STEPS, out, {"forward": 1.0, "train_step": float("nan")}, args.fresh)
-            print(f"{task.name:9} {row:8} (memory and bytes, {MEMORY_STEPS} steps)", flush=True)
+            if i == 0:
+                for row in MEMORY_ROWS:
+                    run_one(task, row, 0, MEMORY_STEPS, out, {"forward": 1.0, "train_step": float("nan")}, args.fresh)
+                    print(f"{task.name:9} {row:8} (memory and bytes, {MEMORY_STEPS} steps)", flush=True)
     meta["wall_s"] = time.perf_counter() - t_start
     meta["finished"] = True
     meta["wall_s_total"] = meta["wall_s"] + (old.get("wall_s_total", 0.0) if not args.fresh else 0.0)

@@ -79,6 +79,12 @@ def _split(items: list[Item], cap_elems: int) -> list[list[Item]]:
     return out
 
 
+def uses_dense_sync(owner_sets: int, max_groups: int) -> bool:
+    """Whether a plan with ``owner_sets`` distinct owner sets is averaged densely over the world
+    (``sync.max_groups``: the most owner sets that get a process group of their own)."""
+    return owner_sets > max_groups
+
+
 class OwnerGroupAverager:
     """Averages each gradient piece among exactly the ranks that own it.
 
@@ -111,7 +117,7 @@ class OwnerGroupAverager:
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.index = LocalIndex(model, pmap)
         owner_sets = plan.owner_sets()
-        self.dense = len(owner_sets) > max_groups if dense is None else bool(dense)
+        self.dense = uses_dense_sync(len(owner_sets), max_groups) if dense is None else bool(dense)
         elem = next(iter(self.params.values())).element_size() if self.params else 4
         cap = max(1, int(bucket_cap_mb * 1024 * 1024) // elem)
         items = global_items(partition, plan)

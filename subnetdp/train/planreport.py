@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from subnetdp.core.contracts import DataModule, DataSpec, ModelAdapter, Partition
 from subnetdp.train.dryrun import estimate_rank, fake_module
 from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.sync import uses_dense_sync
 
 SHOWN_RANKS = 32  # the text report lists every rank up to this many, then one line per distinct shape
 
@@ -84,6 +85,7 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
                    "masker": str(cfg.masker.name), "coverage": float(cfg.masker.coverage),
                    "capacity": [float(c) for c in (cfg.masker.get("capacity") or [])],
                    "owner_sets": len(plan.owner_sets()), "max_groups": int(cfg.sync.max_groups),
+                   "sync": "dense" if uses_dense_sync(len(plan.owner_sets()), int(cfg.sync.max_groups)) else "grouped",
                    "data_spec": dict(spec.__dict__), "data_source": source,
                    "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units)})
     shard = int(cfg.fsdp.shard_size)
@@ -183,7 +185,7 @@ def format_report(report: dict[str, Any]) -> str:
              ownership_table(report),
              f"owner counts: min {min(counts)}, max {max(counts)}, mean {sum(counts) / len(counts):.2f}; "
              f"{report['owner_sets']} distinct owner sets "
-             f"({'dense' if report['owner_sets'] > report['max_groups'] else 'grouped'} sync, "
+             f"({report['sync']} sync, "
              f"sync.max_groups={report['max_groups']})",
              f"rank graph: {report['components']} connected component(s); spectral gap {report['spectral_gap']:.4f}",
              GAP_NOTE, ""]
