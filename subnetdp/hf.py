@@ -36,7 +36,7 @@ def run_tokenizer(loaded: Any, pm: PluginManager) -> Any:
 
 
 def hf_tokenizer(tok: Any) -> Any:
-    """A ``tokenizers.Tokenizer`` equal to a :mod:`subnetdp.plugins.data._prepare` tokenizer."""
+    """A ``tokenizers.Tokenizer`` equal to a :mod:`subnetdp.plugins.data.prepare_text` tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if getattr(tok, "name", "") == "bpe":

@@ -182,3 +182,32 @@ def assert_pieces_at_global_coordinates(sub: Any, pmap: Any, reference: Any, par
         torch.testing.assert_close(index.view(item, grad=True), ref_index.view(item, grad=True), rtol=rtol, atol=atol)
         checked += 1
     return checked
+
+
+LM_STEPS = 4  # train.steps of lm_config
+
+
+def lm_config(init_method: str, cache: str, *overrides: str):
+    return small_config(f"train.steps={LM_STEPS}", "train.batch_size=4", "data.seq_len=32", "data.stdlib_max_mb=0.5",
+                        f"data.cache_dir={cache}", "eval.batches=2", "optim.name=adamw", "optim.lr=1e-3",
+                        "optim.weight_decay=0.1", "optim.clip_grad_norm=0", f"comm.init_method={init_method}",
+                        *overrides, recipe="llama_tiny_stdlib", run_dir=init_method.removeprefix("file://") + "-runs")
+
+
+def train_gathered(cfg, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """Train (setup and the loop, as a worker does), then read the full (gathered) parameters before the process group goes away."""
+    from subnetdp.core.contracts import LaunchEnv
+    from subnetdp.train.loop import set_threads, setup, train_loop
+
+    env = LaunchEnv(rank, world, rank, world, "test")
+    pm = plugin_manager()
+    set_threads(cfg, env)
+    run = setup(cfg, env, pm)
+    try:
+        train_loop(run, pm)
+        sharded = {n: type(p).__name__ for n, p in run.model.named_parameters()}
+        with run.parallel.gathered():  # collective over each shard group
+            params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    finally:
+        run.comm.shutdown()
+    return params, run.summary, sharded

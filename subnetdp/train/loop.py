@@ -263,7 +263,7 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
             _log_step(run, log, meter, bar, step, losses, out.grad_norm)  # collective: the world's mean loss
             losses = []
         if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
-            run.eval_metrics = _evaluate(run, log, step)  # collective: the union model streams through every rank
+            run.eval_metrics = evaluate_run(run, log, step)  # collective: the union model streams through every rank
             pm.hook.subnetdp_on_eval_end(run=run, step=step, metrics=run.eval_metrics)
         pm.hook.subnetdp_on_step_end(run=run, step=step, metrics=metrics)
         ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
@@ -276,7 +276,7 @@ def train_loop(run: Run, pm: PluginManager, stopper: StopRequest | None = None) 
     if bar is not None:
         bar.close()
     if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
-        run.eval_metrics = _evaluate(run, log, steps)  # collective
+        run.eval_metrics = evaluate_run(run, log, steps)  # collective
         pm.hook.subnetdp_on_eval_end(run=run, step=steps, metrics=run.eval_metrics)
     run.summary = _summarise(run, meter, max(1, steps - first + 1))
     log.close()
@@ -393,7 +393,7 @@ def _probe(run: Run, log: RunLogger, meter: Meter, step: int) -> Any:
     return probe
 
 
-def _evaluate(run: Run, log: RunLogger, step: int) -> dict[str, float]:
+def evaluate_run(run: Run, log: RunLogger, step: int) -> dict[str, float]:
     """Evaluate the union model on every rank, streamed from the owners (never assembled). Collective.
 
     Every rank evaluates the same batches and gets the same metrics (rank 0 logs them). Block-level

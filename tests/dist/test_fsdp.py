@@ -16,54 +16,30 @@ from pathlib import Path
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import train_loop, set_threads, setup
+from subnetdp.train.loop import setup
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.train.planreport import plan_report
 from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
-from tests.helpers import ddp_reference_params, plugin_manager, run_ranks, small_config
-
-STEPS = 4
-
-
-def _config(init_method: str, cache: str, *overrides: str):
-    return small_config(f"train.steps={STEPS}", "train.batch_size=4", "data.seq_len=32", "data.stdlib_max_mb=0.5",
-                        f"data.cache_dir={cache}", "eval.batches=2", "optim.name=adamw", "optim.lr=1e-3",
-                        "optim.weight_decay=0.1", "optim.clip_grad_norm=0", f"comm.init_method={init_method}",
-                        *overrides, recipe="llama_tiny_stdlib", run_dir=init_method.removeprefix("file://") + "-runs")
-
-
-def _train_gathered(cfg, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """Train, then read the full (gathered) parameters before the process group goes away."""
-    env = LaunchEnv(rank, world, rank, world, "test")
-    pm = plugin_manager()
-    set_threads(cfg, env)
-    run = setup(cfg, env, pm)
-    try:
-        train_loop(run, pm)
-        sharded = {n: type(p).__name__ for n, p in run.model.named_parameters()}
-        with run.parallel.gathered():  # collective over each shard group
-            params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    finally:
-        run.comm.shutdown()
-    return params, run.summary, sharded
+from tests.helpers import LM_STEPS as STEPS
+from tests.helpers import ddp_reference_params, lm_config, plugin_manager, run_ranks, train_gathered
 
 
 def _two_ranks(rank: int, world: int, init_method: str, cache: str) -> dict:
     base = ("fsdp.shard_size=2", "masker.coverage=1")
-    cfg = _config(init_method, cache, *base, "run.name=fsdp", "checkpoint.enabled=true", "checkpoint.every=2",
+    cfg = lm_config(init_method, cache, *base, "run.name=fsdp", "checkpoint.enabled=true", "checkpoint.every=2",
                   "checkpoint.keep=0")
-    fsdp, summary, kinds = _train_gathered(cfg, rank, world)
+    fsdp, summary, kinds = train_gathered(cfg, rank, world)
     ddp = ddp_reference_params(cfg, rank, world, init_method, STEPS)
     ckpt = Path(str(cfg.run.dir)) / "fsdp" / "checkpoints" / "step_00000002"
-    resumed, _, _ = _train_gathered(_config(init_method + "-resume", cache, *base, "run.name=resumed",
+    resumed, _, _ = train_gathered(lm_config(init_method + "-resume", cache, *base, "run.name=resumed",
                                             f"resume={ckpt}"), rank, world)
     # The same checkpoint resumed unsharded (fsdp.shard_size=1: 2 replicas): the full pieces are re-cut.
-    reshard, _, _ = _train_gathered(_config(init_method + "-reshard", cache, "masker.coverage=1", "run.name=reshard",
+    reshard, _, _ = train_gathered(lm_config(init_method + "-reshard", cache, "masker.coverage=1", "run.name=reshard",
                                             f"resume={ckpt}"), rank, world)
-    bf16, bf16_summary, _ = _train_gathered(_config(init_method + "-bf16", cache, *base, "run.name=bf16",
+    bf16, bf16_summary, _ = train_gathered(lm_config(init_method + "-bf16", cache, *base, "run.name=bf16",
                                                     "train.precision=bf16"), rank, world)
-    _, plain, _ = _train_gathered(_config(init_method + "-plain", cache, "masker.coverage=1", "run.name=plain"),
+    _, plain, _ = train_gathered(lm_config(init_method + "-plain", cache, "masker.coverage=1", "run.name=plain"),
                                   rank, world)
     return {"fsdp": fsdp, "summary": summary, "kinds": kinds, "ddp": ddp, "resumed": resumed, "reshard": reshard,
             "bf16": bf16,
@@ -100,7 +76,7 @@ def test_fsdp_one_replica_matches_ddp_and_resumes_from_sharded_checkpoints(tmp_p
     assert results[0]["summary"]["ranks"][0]["params_sha256"] == results[1]["summary"]["ranks"][1]["params_sha256"]
     # `subnetdp plan` dry-runs the sharded step (FSDP2 over torch's fake process group): it estimates
     # what the loop measured, and the bytes FSDP moves.
-    report = plan_report(_config("file:///unused", str(cache), "fsdp.shard_size=2", "masker.coverage=1"), 2,
+    report = plan_report(lm_config("file:///unused", str(cache), "fsdp.shard_size=2", "masker.coverage=1"), 2,
                          plugin_manager())
     for r, res in enumerate(results):
         est, measured = report["ranks"][r], res["summary"]["ranks"][r]
@@ -124,20 +100,20 @@ def _replicas(rank: int, world: int, init_method: str, cache: str) -> dict:
     common = ("masker.coverage=0.5", "optim.clip_grad_norm=0.05", "train.grad_accum=2", "optim.name=sgd",
               "optim.lr=0.5", "optim.momentum=0.9")
     # Activation checkpointing composes with FSDP (recomputation re-gathers the block) and changes nothing.
-    cfg = _config(init_method, cache, "fsdp.shard_size=2", "run.name=rxs", "train.activation_checkpointing=1", *common)
-    fsdp, summary, _ = _train_gathered(cfg, rank, world)
+    cfg = lm_config(init_method, cache, "fsdp.shard_size=2", "run.name=rxs", "train.activation_checkpointing=1", *common)
+    fsdp, summary, _ = train_gathered(cfg, rank, world)
     import json
 
     lines = (Path(str(cfg.run.dir)) / "rxs" / "metrics.jsonl").read_text().splitlines()
     norms = [json.loads(x)["train/grad_norm"] for x in lines if "train/grad_norm" in x]
     # One reduce-scatter per step instead of one per micro-batch: the same numbers, other traffic.
-    deferred, deferred_summary, _ = _train_gathered(_config(init_method + "-defer", cache, "fsdp.shard_size=2",
+    deferred, deferred_summary, _ = train_gathered(lm_config(init_method + "-defer", cache, "fsdp.shard_size=2",
                                                             "run.name=defer", "fsdp.reduce_each_micro_batch=false",
                                                             *common), rank, world)
     out = {"fsdp": fsdp, "summary": summary, "grad_norm": norms[-1] if norms else None, "deferred": deferred,
            "deferred_summary": deferred_summary}
     if rank < 2:  # the reference: the same SDP on 2 ranks, each taking both shards' batches at once
-        out["ref"] = _reference(_config(init_method + "-ref", cache, "run.name=ref", *common), rank)
+        out["ref"] = _reference(lm_config(init_method + "-ref", cache, "run.name=ref", *common), rank)
     return out
 
 

@@ -6,14 +6,14 @@ import torch
 
 from subnetdp.train.loop import format_summary
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
-from tests.dist.test_fsdp import _config, _train_gathered
+from tests.helpers import lm_config, train_gathered
 from tests.helpers import run_ranks
 
 
 def _run(rank: int, world: int, init_method: str, cache: str) -> dict:
-    cfg = _config(init_method, cache, "masker.capacity=[1.0,0.5,0.25]", "run.name=het", "train.steps=3",
+    cfg = lm_config(init_method, cache, "masker.capacity=[1.0,0.5,0.25]", "run.name=het", "train.steps=3",
                   "checkpoint.enabled=true", "checkpoint.final=always")
-    params, summary, _ = _train_gathered(cfg, rank, world)
+    params, summary, _ = train_gathered(cfg, rank, world)
     return {"params": params, "summary": summary}
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from subnetdp.cli import main
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import train
-from subnetdp.plugins.data._prepare import ByteTokenizer
+from subnetdp.plugins.data.prepare_text import ByteTokenizer
 from subnetdp.export import load_union
 from subnetdp.hf import hf_tokenizer, run_tokenizer
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
-from tests.dist.test_fsdp import _config, _train_gathered
+from tests.helpers import lm_config, train_gathered
 from tests.helpers import run_ranks
 
-LR = 1e-3  # optim.lr of tests.dist.test_fsdp._config
+LR = 1e-3  # optim.lr of tests.helpers.lm_config
 PAIRS = {
     "sdp": ("masker.coverage=0.5", "train.grad_accum=2"),
     "sdp_bf16": ("masker.coverage=0.5", "train.precision=bf16"),
@@ -27,9 +27,9 @@ def _pairs(rank: int, world: int, init_method: str, cache: str) -> dict:
     out = {}
     for name, overrides in PAIRS.items():
         for chunk in (0, 48):
-            cfg = _config(f"{init_method}-{name}-{chunk}", cache, *overrides, f"model.loss_chunk={chunk}",
+            cfg = lm_config(f"{init_method}-{name}-{chunk}", cache, *overrides, f"model.loss_chunk={chunk}",
                           f"run.name={name}-{chunk}", "train.steps=3")
-            params, summary, _ = _train_gathered(cfg, rank, world)
+            params, summary, _ = train_gathered(cfg, rank, world)
             out[(name, chunk)] = (params, summary["ranks"][rank]["owned_units"])
     return out
 

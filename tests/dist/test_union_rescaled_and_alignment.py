@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import _evaluate, setup, train_loop
+from subnetdp.train.loop import evaluate_run, setup, train_loop
 from subnetdp.train.meter import RunLogger
 from subnetdp.sdp.union import assemble_union, evaluate
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, init_method: str, cache: str) -> dict:
             out["x1"] = evaluate(union, run.adapter, run.data, cfg)
             out["hooked"] = evaluate(_scaled_by_hooks(union, run.adapter, 0.5), run.adapter, run.data, cfg)
         OmegaConf.update(cfg, "eval.block_union", "x1")
-        out["key_x1"] = _evaluate(run, RunLogger(run.run_dir, rank, False), STEPS + 1)  # collective
+        out["key_x1"] = evaluate_run(run, RunLogger(run.run_dir, rank, False), STEPS + 1)  # collective
         out["run_dir"] = str(run.run_dir)
     finally:
         run.comm.shutdown()

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from subnetdp.cli import main
 from subnetdp.core.errors import ConfigError
-from subnetdp.plugins.data._prepare import BPETokenizer, ByteTokenizer
-from subnetdp.plugins.data._token_shards import HEADER_BYTES, open_shard, write_shard
+from subnetdp.plugins.data.prepare_text import BPETokenizer, ByteTokenizer
+from subnetdp.plugins.data.token_shards import HEADER_BYTES, open_shard, write_shard
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 
 DOCS = [f"document {i}: déjà vu — {'x' * (i % 7)} " + "def f(a, b):\n    return a + b\n" * (1 + i % 3)

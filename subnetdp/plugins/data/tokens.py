@@ -1,6 +1,6 @@
 """Data ``tokens``: pre-tokenised shards on disk, memory-mapped, packed into fixed-length windows.
 
-``data.root`` is a directory of shards (see :mod:`subnetdp.plugins.data._token_shards`): training
+``data.root`` is a directory of shards (see :mod:`subnetdp.plugins.data.token_shards`): training
 shards match ``data.train_pattern`` (default ``*train*.bin``), validation shards
 ``data.val_pattern`` (``*val*.bin``), each list in sorted name order, as FineWeb's
 ``fineweb_train_000001.bin`` ... and ``subnetdp prepare-text``'s output are named. A ``meta.json``
@@ -30,7 +30,7 @@ import torch
 from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.plugins.data._token_shards import PLAIN_DTYPES, open_shard
+from subnetdp.plugins.data.token_shards import PLAIN_DTYPES, open_shard
 
 PREPARE_HINT = ("prepare shards with `subnetdp prepare-text FILES_OR_DIRS --out DIR` (or `--fineweb N`), "
                 "or set data.root=stdlib to use the Python standard library")
@@ -160,7 +160,7 @@ class TokensData(DataModule):
         if self._root is None:
             root = str(self.cfg.root)
             if root in ("", "stdlib"):
-                from subnetdp.plugins.data._prepare import build_stdlib_corpus
+                from subnetdp.plugins.data.prepare_text import build_stdlib_corpus
 
                 c = self.cfg
                 name = (f"stdlib-py{sysconfig.get_python_version()}-{c.tokenizer}"
@@ -212,10 +212,10 @@ class TokensData(DataModule):
     def tokenizer(self) -> Any:
         """The tokenizer the shards were made with (``meta.json``), or None when it is unknown.
 
-        A ``ByteTokenizer`` or ``BPETokenizer`` of :mod:`subnetdp.plugins.data._prepare`: ``encode(texts)``,
+        A ``ByteTokenizer`` or ``BPETokenizer`` of :mod:`subnetdp.plugins.data.prepare_text`: ``encode(texts)``,
         ``decode(ids)``, ``eot``, ``vocab_size``. Used by downstream evaluation and HF export.
         """
-        from subnetdp.plugins.data._prepare import make_tokenizer
+        from subnetdp.plugins.data.prepare_text import make_tokenizer
 
         root = self.root()
         kind = self._meta.get("tokenizer")
