@@ -205,3 +205,14 @@ def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
     for i in sa:
         for k in sa[i]:
             assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), (i, k)
+
+
+def test_local_steps_hand_a_nonfinite_inner_step_to_the_synchronisation(tmp_path):
+    """With ``sync.mode=local_steps`` the guard defers a bad inner step to the synchroniser: the run
+    stops at the next synchronisation (naming it and the count), or, with ``skip``, trains on."""
+    local = ("sync.mode=local_steps", "sync.every=2", "optim.lr=1e30", "checkpoint.enabled=false")
+    with pytest.raises(NonFiniteError) as e:
+        train_loop(tmp_path, "ls-nan", "train.steps=4", *local)
+    assert "in the local steps before the synchronisation at step 2 (rank 0: 1 step(s))" in str(e.value)
+    run = train_loop(tmp_path, "ls-skip", "train.steps=4", *local, "train.on_nonfinite=skip")
+    assert run.step == 4 and run.averager.syncs == 2
