@@ -91,7 +91,16 @@ def main() -> int:
     parser.add_argument("--latency-us", type=float, default=100.0)
     parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
     parser.add_argument("--out", default="local_steps.json", help="file name in benchmarks/results/")
+    parser.add_argument("--outer", nargs="*", default=[], metavar="LR:MOMENTUM",
+                        help="extra H=16 rows with these outer settings (a sweep), labelled 'SDP C=0.5, H=16, lr LR m M'")
     args = parser.parse_args()
+    for spec in args.outer:
+        lr, mom = spec.split(":")
+        label = f"SDP C=0.5, H=16, lr {lr} m {mom}"
+        RUNS[label] = ["masker.coverage=0.5", "sync.mode=local_steps", "sync.every=16", f"sync.outer_lr={lr}",
+                       f"sync.outer_momentum={mom}"]
+        if args.only is not None:
+            args.only.append(label)
     latency = args.latency_us * 1e-6
     with tempfile.TemporaryDirectory() as tmp:
         args.cache = Path(tmp) / "data"

@@ -620,7 +620,7 @@ def _check_masker_counts(cfg: DictConfig) -> None:
                          ("refresh_every", 1, "1 refreshes non-owned copies after every step"),
                          ("resample_every", 0, "0 keeps the plan fixed")):
         _check_range(cfg, f"masker.{key}", lo, None, fix=fix)
-    for c in cfg.masker.get("capacity") or []:  # heterogeneous ranks: each entry a coverage
+    for c in cfg.masker.capacity:  # heterogeneous ranks: each entry a coverage
         if not isinstance(c, (int, float)) or not 0.0 < float(c) <= 1.0:
             raise ConfigError("masker.capacity", list(cfg.masker.capacity), f"holds {c}: every entry must be in (0, 1]",
                               "give each rank a coverage such as 0.5 (1 = the whole model)")

@@ -503,8 +503,7 @@ class ModelAdapter(Plugin, abc.ABC):
     def regularize(self, model: "nn.Module") -> "nn.Module":
         """Attach ``model.stochastic_depth`` and ``model.hidden_dropout`` to a freshly built full
         model (nothing when both are 0); adapters call it at the end of :meth:`build`."""
-        sd = float(getattr(self.cfg, "stochastic_depth", 0.0) or 0.0)
-        hd = float(getattr(self.cfg, "hidden_dropout", 0.0) or 0.0)
+        sd, hd = float(self.cfg.stochastic_depth), float(self.cfg.hidden_dropout)
         if sd > 0.0 or hd > 0.0:
             from subnetdp.core.branches import attach_regularizers
 

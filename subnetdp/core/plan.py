@@ -260,7 +260,7 @@ def rank_coverages(mcfg: Any, world_size: int) -> list[float]:
     """Each rank's coverage: ``masker.capacity`` (one per rank) or ``masker.coverage`` for all."""
     from subnetdp.core.errors import ConfigError
 
-    capacity = [float(c) for c in (getattr(mcfg, "capacity", None) or [])]
+    capacity = [float(c) for c in mcfg.capacity]
     if not capacity:
         return [float(mcfg.coverage)] * world_size
     if len(capacity) != world_size:

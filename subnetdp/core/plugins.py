@@ -45,6 +45,11 @@ class Registry:
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise SubnetdpError(f"plugin '{self._current}' registered {cls!r} as {KIND_WORDS[self.kind]} "
                                 f"'{name}', but it is not a subclass of {base.__name__}")
+        shared = base.Config
+        if not (isinstance(cls.Config, type) and issubclass(cls.Config, shared)):
+            raise SubnetdpError(f"plugin '{self._current}' registered {KIND_WORDS[self.kind]} '{name}' with "
+                                f"Config {cls.Config!r}, which does not subclass {shared.__name__} (the keys every "
+                                f"{KIND_WORDS[self.kind]} shares) — declare `class Config({shared.__name__}): ...`")
         if name in self.entries:
             other = self.entries[name].plugin
             fix = (f"disable one with {DISABLE_ENV}={self._current}" if other != self._current else

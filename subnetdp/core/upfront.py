@@ -27,7 +27,7 @@ FINAL_CHOICES = ("auto", "always", "never")
 
 
 def check_choices(cfg: DictConfig) -> None:
-    final = str(cfg.checkpoint.get("final", "auto"))
+    final = str(cfg.checkpoint.final)
     if final not in FINAL_CHOICES:
         raise ConfigError("checkpoint.final", final, f"valid choices: {', '.join(FINAL_CHOICES)}",
                           "auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")

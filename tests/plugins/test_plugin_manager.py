@@ -114,3 +114,25 @@ def test_a_misspelled_hook_implementation_is_refused_by_name():
                                             r"did you mean 'subnetdp_register_maskers'\?"):
         PluginManager(entry_points=False, extra=[Misspelled()])
     PluginManager(entry_points=False, extra=[Recorder()])  # correctly spelled hooks pass the check
+
+
+def test_a_plugin_config_that_drops_the_shared_keys_is_refused_by_name():
+    from dataclasses import dataclass
+
+    @dataclass
+    class LoneConfig:  # does not subclass MaskerConfig: coverage, granularity, ... would be missing
+        offset: int = 0
+
+    class Lone(CyclicMasker):
+        Config = LoneConfig
+
+    class Plugin:
+        @hookimpl
+        def subnetdp_register_maskers(self, registry):
+            registry.add("lone", Lone)
+
+    with pytest.raises(SubnetdpError) as e:
+        PluginManager(extra=[Plugin()])
+    msg = str(e.value)
+    assert "masker 'lone'" in msg and "does not subclass MaskerConfig" in msg
+    assert "class Config(MaskerConfig)" in msg

@@ -23,7 +23,7 @@ class BalancedMasker(Masker):
 
     @classmethod
     def validate_config(cls, cfg, root) -> None:
-        if cfg.get("capacity"):
+        if cfg.capacity:
             raise ConfigError("masker.capacity", list(cfg.capacity), "the balanced masker sets owner counts, not "
                               "per-rank coverages", "use masker.name=cyclic or random with masker.capacity")
 
