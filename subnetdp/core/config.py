@@ -516,7 +516,7 @@ def _check_regularizers(cfg: DictConfig, adapter: Any) -> None:
         if not 0.0 <= float(value) < 1.0:
             raise ConfigError(f"model.{key}", value, "is a drop probability and must be in [0, 1)",
                               f"use e.g. model.{key}=0.5 for a keep rate of 0.5 (0 turns it off)")
-        if value and key not in getattr(adapter, "regularizers", ()):
+        if value and key not in adapter.regularizers:
             raise ConfigError(f"model.{key}", value, f"model '{cfg.model.name}' does not implement it",
                               f"set model.{key}=0")
 

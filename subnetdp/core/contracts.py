@@ -625,7 +625,15 @@ class DataModule(Plugin, abc.ABC):
 
 
 class ResumableLoader(abc.ABC):
-    """An endless iterator over training batches with a position that can be saved and restored."""
+    """An endless iterator over training batches with a position that can be saved and restored.
+
+    Attributes:
+        batches_per_epoch: full batches in one pass over this rank's shard, or None for a stream
+            of unknown length (then a resume on another world size restarts the epoch's count and
+            ``eval.bn_recalibrate_batches`` is not checked against the data).
+    """
+
+    batches_per_epoch: Optional[int] = None
 
     @abc.abstractmethod
     def __iter__(self) -> Iterator[Any]: ...

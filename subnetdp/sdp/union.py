@@ -92,8 +92,7 @@ def union_branch_scales(cfg: Any, partition: Partition, plan: MaskPlan) -> dict[
     """The scales ``eval.block_union`` applies to the union model: the keep rates for ``rescaled``
     with block-level forward masking, else none (x1, neuron level, backward masking: those train
     every branch in every forward, or rescale neurons in training already)."""
-    backward = str(getattr(cfg.masker, "regime", "forward")) == "backward"
-    if str(cfg.eval.get("block_union", "rescaled")) != "rescaled" or backward:
+    if str(cfg.eval.block_union) != "rescaled" or str(cfg.masker.regime) == "backward":
         return {}
     return branch_keep_rates(partition, plan)
 

@@ -45,7 +45,7 @@ def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
     if n <= 0:
         return
     try:
-        per_epoch = getattr(data.train_loader(0, 1, int(cfg.train.batch_size)), "batches_per_epoch", None)
+        per_epoch = data.train_loader(0, 1, int(cfg.train.batch_size)).batches_per_epoch
     except (SubnetdpError, ValueError):  # a batch larger than the data is the batch size's error, reported where it is checked
         return
     if per_epoch is not None and n > per_epoch:

@@ -76,7 +76,7 @@ def final_wanted(cfg: Any) -> bool:
     a short trial keeps its summary and metrics but not a full copy of its weights and optimizer
     state, so 25 short trials do not fill a disk. ``always`` / ``never`` decide it outright.
     """
-    final = str(cfg.checkpoint.get("final", "auto"))
+    final = str(cfg.checkpoint.final)
     if final != "auto":
         return final == "always"
     return (int(cfg.checkpoint.every) > 0 or str(cfg.resume) != "never"
@@ -160,7 +160,7 @@ class Checkpointer:
                         "plan_digest": run.plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
                         "partition_digest": units.partition_digest(run.partition),
                         "partition": {"granularity": run.partition.granularity, "units": len(run.partition.units),
-                                      "units_per_layer": int(self.cfg.masker.get("units_per_layer", 0) or 0)},
+                                      "units_per_layer": int(self.cfg.masker.units_per_layer)},
                         "config_digest": config_mod.digest(self.cfg),
                         "model": OmegaConf.to_container(self.cfg.model, resolve=True),
                         "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
@@ -279,7 +279,7 @@ class Checkpointer:
             else:
                 self.loader.load_state_dict(units.carry_position(
                     state["loader"], (old_world, int(state.get("batch_size", batch))), (world, batch),
-                    getattr(self.loader, "batches_per_epoch", None)))
+                    self.loader.batches_per_epoch))
                 reseed(int(self.cfg.seed) + int(manifest["step"]))
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"{where}: its state does not fit this run ({e})") from None
