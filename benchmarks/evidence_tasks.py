@@ -80,10 +80,10 @@ LLAMA8 = Task(
 RESNET18 = Task(
     name="resnet18",
     recipe="resnet18_digits",
-    overrides=("data.image_size=32", "train.batch_size=4", "optim.lr=0.05", "optim.warmup_steps=5",
+    overrides=("data.image_size=32", "train.batch_size=4", "optim.lr=0.02", "optim.warmup_steps=5",
                "eval.bn_recalibrate_batches=10", "eval.batch_size=120", "eval.batches=2", "launch.threads_per_rank=1"),
     metric="accuracy", higher_is_better=True, world_size=4, steps=30, quick_steps=6, eval_every=15, quick_eval_every=3,
-    description="ResNet-18 (CIFAR stem) on digits at 32 x 32, 4 workers x 4 images, SGD 0.05 momentum 0.9 cosine",
+    description="ResNet-18 (CIFAR stem) on digits at 32 x 32, 4 workers x 4 images, SGD 0.02 momentum 0.9 cosine",
 )
 
 TASKS: dict[str, Task] = {t.name: t for t in (LLAMA8, RESNET18)}

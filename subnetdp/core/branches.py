@@ -27,8 +27,9 @@ is still the plain reference architecture (``subnetdp eval`` and ``subnetdp expo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -163,3 +164,23 @@ def fold_branch_scales(layers: Mapping[str, Sequence[nn.Module]], scales: Mappin
                 m.bias.mul_(s)
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def regularizers_off(model: nn.Module) -> Iterator[None]:
+    """Inside the block, the stochastic depth and hidden dropout attached to ``model`` do nothing,
+    even in training mode (BatchNorm recalibration: train-mode statistics of the network that is
+    evaluated, every branch and channel present)."""
+    found = []
+    for m in model.modules():
+        for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]:
+            reg = getattr(h, "__self__", h)  # DropChannels registers bound methods
+            if isinstance(reg, (DropPath, DropChannels)):
+                found.append((reg, reg.p))
+    for reg, _ in found:
+        reg.p = 0.0
+    try:
+        yield
+    finally:
+        for reg, p in found:
+            reg.p = p

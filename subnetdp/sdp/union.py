@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, ModelAdapter, ParamMap, Partition,
                                      TensorSlice)
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
+from subnetdp.core.branches import regularizers_off
 from subnetdp.core.plan import MaskPlan
 
 
@@ -99,7 +100,12 @@ def union_branch_scales(cfg: Any, partition: Partition, plan: MaskPlan) -> dict[
 
 @torch.no_grad()
 def recalibrate_batchnorm(model: nn.Module, batches: Any, n: int, inputs: Any) -> int:
-    """Recompute BatchNorm running statistics as a plain average over ``n`` training batches."""
+    """Recompute BatchNorm running statistics as a plain average over ``n`` training batches.
+
+    The statistics are those of the network that is evaluated: stochastic depth and hidden dropout
+    (``model.stochastic_depth``, ``model.hidden_dropout``) are off while they are gathered, or a
+    model trained with them would be evaluated on statistics of randomly thinned networks.
+    """
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns or n <= 0:
         return 0
@@ -109,11 +115,12 @@ def recalibrate_batchnorm(model: nn.Module, batches: Any, n: int, inputs: Any) -
         m.momentum = None
     model.train()
     seen = 0
-    for batch in batches:
-        if seen >= n:
-            break
-        model(inputs(batch))
-        seen += 1
+    with regularizers_off(model):
+        for batch in batches:
+            if seen >= n:
+                break
+            model(inputs(batch))
+            seen += 1
     for m, mom in zip(bns, momenta):
         m.momentum = mom
     model.eval()

@@ -133,3 +133,26 @@ def test_bad_values_are_config_errors():
         small_config("eval.block_union=x2")
     with pytest.raises(ConfigError, match=r"model\.n_heads"):
         small_config("model.dim=66", recipe="llama_tiny_stdlib")
+
+
+def test_batchnorm_recalibration_gathers_the_statistics_of_the_evaluated_network():
+    """Recalibration runs BatchNorm in training mode: the regularisers must not thin the network
+    then, or a model trained with them is evaluated on statistics of random sub-networks."""
+    from subnetdp.sdp.union import recalibrate_batchnorm
+
+    torch.manual_seed(2)
+    batches = [torch.randn(4, 1, 8, 8) for _ in range(3)]
+    plain = _build("resnet")
+    on = _build("resnet", "model.stochastic_depth=0.5", "model.hidden_dropout=0.5")
+    on.load_state_dict(plain.state_dict())
+    for model in (plain, on):
+        torch.manual_seed(3)
+        assert recalibrate_batchnorm(model, iter(batches), 3, lambda b: b) == 3
+    for (name, a), (_, b) in zip(plain.named_buffers(), on.named_buffers()):
+        assert torch.equal(a, b), name  # the same statistics as the plain model's
+    hooks = [h for m in on.modules() for h in m._forward_hooks.values() if isinstance(h, DropPath)]
+    assert hooks and all(h.p == 0.5 for h in hooks)  # and the regularisers are back on afterwards
+    on.train()
+    torch.manual_seed(1)
+    x = CASES["resnet"][2]()
+    assert not torch.equal(on(x), plain.train()(x))
