@@ -35,8 +35,8 @@ class SyncConfig:
     max_groups: int = doc('most distinct owner sets before the synchroniser falls back to dense averaging', 64)
     mode: str = doc('every_step or local_steps (owners average parameter deltas every sync.every steps, DiLoCo-style)', "every_step")
     every: int = doc('local_steps: inner steps per synchronisation (H)', 16)
-    outer_lr: float = doc('local_steps: outer SGD learning rate (1 with momentum 0 = plain averaging)', 0.7)
-    outer_momentum: float = doc('local_steps: outer Nesterov momentum', 0.9)
+    outer_lr: float = doc('local_steps: outer SGD learning rate (1 with momentum 0 = plain averaging, the default; DiLoCo: 0.7)', 1.0)
+    outer_momentum: float = doc('local_steps: outer Nesterov momentum (DiLoCo: 0.9, for runs of many outer steps)', 0.0)
     outer_on_host: bool = doc('local_steps: keep the outer state (anchor, momentum) in host memory', False)
 
 

@@ -72,7 +72,7 @@ class LocalStepsSynchronizer:
     replicated = True
 
     def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
-                 comm: Communicator, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 comm: Communicator, every: int, outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  on_host: bool = False, bucket_cap_mb: float = 25.0, max_groups: int = 64,
                  dense: bool | None = None, on_nonfinite: str = "stop") -> None:
         # collective: the owner groups are created here, exactly as for the per-step synchroniser.
