@@ -26,7 +26,7 @@ norm's all-reduce at every step for per-step SDP below C = 1, and ``latency`` = 
 (default 100 us). ``t_measured`` already contains the local gloo traffic of these processes, so the
 projection slightly over-counts communication; every figure is the mean over ranks and seeds.
 
-Run: ``.venv/bin/python benchmarks/local_steps.py [--steps 256] [--seeds 3]`` (30 runs of 45-120 s
+Run: ``.venv/bin/python benchmarks/local_steps.py [--steps 256] [--seeds 3]`` (27 runs of 45-120 s
 on 2 cores, 25-50 minutes). Writes
 ``benchmarks/results/local_steps.json`` (``--out`` another name).
 """
