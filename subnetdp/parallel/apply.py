@@ -51,21 +51,21 @@ class RankParallelism:
             from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 
             s = cfg.sync
-            self.synchroniser = LocalStepsSynchronizer(
+            sync: GradSynchronizer = LocalStepsSynchronizer(
                 run.model, run.pmap, run.plan, run.partition, run.comm, int(s.every), float(s.outer_lr),
                 float(s.outer_momentum), bool(s.outer_on_host), float(s.bucket_cap_mb), int(s.max_groups),
                 on_nonfinite=str(cfg.train.on_nonfinite))
-            return self.synchroniser
-        if self.sharded:
+        elif self.sharded:
             from subnetdp.parallel.fsdp import ShardedOwnerAverager
 
-            self.synchroniser = ShardedOwnerAverager(
-                run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition, run.comm, self.shard_size,
-                float(cfg.sync.bucket_cap_mb), bool(cfg.fsdp.reduce_each_micro_batch))
-            return self.synchroniser
-        self.synchroniser = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
-                                               float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
-        return self.synchroniser
+            sync = ShardedOwnerAverager(run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition,
+                                        run.comm, self.shard_size, float(cfg.sync.bucket_cap_mb),
+                                        bool(cfg.fsdp.reduce_each_micro_batch))
+        else:
+            sync = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
+                                      float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
+        self.synchroniser = sync
+        return sync
 
     def autocast(self) -> Any:
         """bf16 autocast around forward and loss; FSDP's mixed-precision policy casts when sharded.

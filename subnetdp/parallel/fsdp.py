@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
 from subnetdp.parallel.memory import TensorMemoryTracker
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import clip_to, world_norm
+from subnetdp.sdp.sync import EveryStepSync, clip_to, world_norm
 
 
 def replica_mesh(comm: Communicator, shard_size: int) -> DeviceMesh:
@@ -236,7 +236,7 @@ class _Bucket:
     offsets: list[int] = field(default_factory=list)
 
 
-class ShardedOwnerAverager:
+class ShardedOwnerAverager(EveryStepSync):
     """Owner-group averaging of FSDP-sharded gradients across replicas.
 
     Same per-step use as :class:`~subnetdp.sdp.sync.OwnerGroupAverager`. FSDP's reduce-scatter has
@@ -398,9 +398,3 @@ class ShardedOwnerAverager:
 
     def owner_groups(self) -> list[tuple[int, ...]]:
         return sorted({b.group for b in self.buckets})
-
-    def defer_nonfinite(self, step: int) -> bool:
-        return False  # every step is synchronised: the guard applies train.on_nonfinite at once
-
-    def describe(self) -> dict[str, Any]:
-        return {"sync_mode": "every_step"}

@@ -85,7 +85,18 @@ def uses_dense_sync(owner_sets: int, max_groups: int) -> bool:
     return owner_sets > max_groups
 
 
-class OwnerGroupAverager:
+class EveryStepSync:
+    """What the synchronisers that average every step (:class:`OwnerGroupAverager`, FSDP's
+    ``ShardedOwnerAverager``) answer alike."""
+
+    def defer_nonfinite(self, step: int) -> bool:
+        return False  # every step is synchronised: the guard applies train.on_nonfinite at once
+
+    def describe(self) -> dict[str, Any]:
+        return {"sync_mode": "every_step"}
+
+
+class OwnerGroupAverager(EveryStepSync):
     """Averages each gradient piece among exactly the ranks that own it.
 
     Use per step::
@@ -407,12 +418,6 @@ class OwnerGroupAverager:
 
     def owner_groups(self) -> list[tuple[int, ...]]:
         return sorted({b.owners for b in self.buckets})
-
-    def defer_nonfinite(self, step: int) -> bool:
-        return False  # every step is synchronised: the guard applies train.on_nonfinite at once
-
-    def describe(self) -> dict[str, Any]:
-        return {"sync_mode": "every_step"}
 
 
 def clip_to(averager: "OwnerGroupAverager", norm: float, max_norm: float) -> None:

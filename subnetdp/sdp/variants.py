@@ -36,7 +36,7 @@ def local_model(adapter: ModelAdapter, full: nn.Module, owned: Sequence[int], pa
 
     Takes ownership of ``full``.
     """
-    if str(mcfg.regime) == "backward":
+    if is_backward(mcfg):
         return apply_backward_masking(full, partition, owned)
     if partition.granularity == "neuron":
         return adapter.materialize(full, owned, partition, rescale=rescale_enabled(mcfg))

@@ -38,7 +38,6 @@ class Meter:
         self.peak_cpu = 0
         self._groups_at_start = dict(comm.bytes.by_group)
         self._phases_at_start = {p: comm.bytes.total(p) for p in comm.bytes.by_phase}
-        self._refresh_at_start = comm.bytes.total("refresh")
         self._ring_at_start = comm.bytes.ring_estimate()
         self._untimed = 0.0
 
@@ -79,7 +78,7 @@ class Meter:
     def bytes_per_step(self, done: int) -> tuple[float, float]:
         """Payload and ring wire estimate per step over ``done`` steps: averaging, refresh and FSDP's own."""
         b, par = self.comm.bytes, self.parallel
-        refresh = b.total("refresh") - self._refresh_at_start
+        refresh = self.phase_bytes().get("refresh", 0)
         payload = sum(self.group_bytes().values()) + refresh
         wire = b.ring_estimate() - self._ring_at_start + refresh  # a broadcast's payload is its wire bytes
         return payload / done + par.fsdp_bytes, wire / done + par.fsdp_wire

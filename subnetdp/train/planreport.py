@@ -81,11 +81,12 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     """Everything ``subnetdp plan`` shows, as a JSON-ready dict (``only_rank``: dry-run that rank only)."""
     data, spec, source, adapter, partition, plan = shape_plan(cfg, world_size, pm)
     report = plan.to_dict(partition)
+    owner_sets, max_groups = len(plan.owner_sets()), int(cfg.sync.max_groups)
     report.update({"granularity": partition.granularity, "regime": str(cfg.masker.regime),
                    "masker": str(cfg.masker.name), "coverage": float(cfg.masker.coverage),
-                   "capacity": [float(c) for c in (cfg.masker.get("capacity") or [])],
-                   "owner_sets": len(plan.owner_sets()), "max_groups": int(cfg.sync.max_groups),
-                   "sync": "dense" if uses_dense_sync(len(plan.owner_sets()), int(cfg.sync.max_groups)) else "grouped",
+                   "capacity": [float(c) for c in cfg.masker.capacity],
+                   "owner_sets": owner_sets, "max_groups": max_groups,
+                   "sync": "dense" if uses_dense_sync(owner_sets, max_groups) else "grouped",
                    "data_spec": dict(spec.__dict__), "data_source": source,
                    "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units)})
     shard = int(cfg.fsdp.shard_size)
