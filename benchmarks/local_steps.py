@@ -1,16 +1,20 @@
 """Local steps (``sync.mode=local_steps``) against per-step synchronisation: LLaMA tiny, 4 gloo workers.
 
-Task: the recipe ``llama_tiny_stdlib`` (LLaMA ``tiny``, byte tokenizer, the Python standard
-library's source, AdamW 3e-3 with warm-up and cosine, clipping 1.0), 4 local gloo workers, block
-level. Runs, all at the same number of inner steps and the same per-rank batch:
+Task (``--task tiny``, the default): the recipe ``llama_tiny_stdlib`` (LLaMA ``tiny``, byte
+tokenizer, the Python standard library's source, AdamW 3e-3 with warm-up and cosine, clipping 1.0),
+batch 8 x 128 tokens per rank, 4 local gloo workers, block level. ``--task llama8`` runs the same
+rows on the evidence study's 8-block LLaMA (``benchmarks/evidence_tasks.py``, its own batch and
+validation set). Runs, all at the same number of inner steps and the same per-rank batch:
 
 - DDP: coverage 1, synchronised every step (subnetdp at C = 1 is DDP: tested against torch's DDP);
 - SDP C = 0.5 every step;
-- SDP C = 0.5 with local steps, H = 4, 16, 64 (``sync.every``), twice: with outer SGD with Nesterov
-  momentum at DiLoCo's values (``sync.outer_lr=0.7``, ``sync.outer_momentum=0.9``), and with plain
-  averaging of the owners' parameters (outer lr 1, momentum 0: the default);
-- SDP C = 0.5 with H = 16 and outer lr 0.8 without momentum, the best setting of the sweep in
-  ``docs/local_steps.md`` (``--outer LR:MOMENTUM`` adds H = 16 rows of other settings).
+- SDP C = 0.5 with local steps and plain averaging of the owners' parameters (outer lr 1, momentum
+  0: the default) at H = 1 (``sync.every``: the inner optimizer on local gradients alone, averaged
+  every step), 4, 16 and 64;
+- SDP C = 0.5 with local steps, H = 4, 16, 64, with outer SGD with Nesterov momentum at DiLoCo's
+  values (``sync.outer_lr=0.7``, ``sync.outer_momentum=0.9``);
+- ``--outer LR:MOMENTUM ...`` adds H = 16 rows of other outer settings (the sweep in
+  ``docs/local_steps.md``).
 
 Each over ``--seeds`` seeds (the seed draws the initial weights and the data order). Reported: the
 union model's validation loss after the last step (mean ± sample std over seeds), bytes handed to
@@ -26,9 +30,13 @@ norm's all-reduce at every step for per-step SDP below C = 1, and ``latency`` = 
 (default 100 us). ``t_measured`` already contains the local gloo traffic of these processes, so the
 projection slightly over-counts communication; every figure is the mean over ranks and seeds.
 
-Run: ``.venv/bin/python benchmarks/local_steps.py [--steps 256] [--seeds 3]`` (27 runs of 45-120 s
-on 2 cores, 25-50 minutes). Writes
-``benchmarks/results/local_steps.json`` (``--out`` another name).
+Each row's gap to per-step SDP is also given paired over seeds (mean ± std of the per-seed
+differences: a seed draws both runs' initial weights and data order).
+
+Run: ``.venv/bin/python benchmarks/local_steps.py [--steps 1024] [--seeds 3]`` (27 runs of 1.5-2.5
+minutes on 2 idle cores, about an hour; ``--steps 256`` gave ``results/local_steps_256.json``).
+Writes ``benchmarks/results/local_steps.json`` (``--out`` another name), and after every run a
+``.partial`` file with the runs so far.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.evidence_tasks import TASKS  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 NESTEROV = ["sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # DiLoCo's values
 PLAIN = ["sync.outer_lr=1", "sync.outer_momentum=0"]  # the default: plain averaging of the owners' parameters
@@ -50,20 +62,26 @@ LOCAL = ["masker.coverage=0.5", "sync.mode=local_steps"]
 RUNS = {  # label: overrides
     "DDP (C=1)": ["masker.coverage=1"],
     "SDP C=0.5, every step": ["masker.coverage=0.5"],
-    **{f"SDP C=0.5, H={h}, Nesterov": [*LOCAL, f"sync.every={h}", *NESTEROV] for h in (4, 16, 64)},
+    # H = 1 with plain averaging: what changes when the inner optimizer steps on local gradients alone.
+    "SDP C=0.5, H=1, avg": [*LOCAL, "sync.every=1", *PLAIN],
     **{f"SDP C=0.5, H={h}, avg": [*LOCAL, f"sync.every={h}", *PLAIN] for h in (4, 16, 64)},
-    # The best outer setting of the sweep (docs/local_steps.md): outer lr 0.8, no momentum.
-    "SDP C=0.5, H=16, lr 0.8": [*LOCAL, "sync.every=16", "sync.outer_lr=0.8", "sync.outer_momentum=0"],
+    **{f"SDP C=0.5, H={h}, Nesterov": [*LOCAL, f"sync.every={h}", *NESTEROV] for h in (4, 16, 64)},
 }
 
 
 def run(label: str, overrides: list[str], seed: int, args: argparse.Namespace, tmp: Path) -> dict:
     name = f"{label}-s{seed}".replace(" ", "").replace(",", "-").replace("=", "").replace("(", "").replace(")", "")
-    cmd = [str(Path(sys.executable).parent / "subnetdp"), "train", "llama_tiny_stdlib", *overrides, f"seed={seed}",
-           f"launch.nproc={args.workers}", "launch.threads_per_rank=1", f"train.steps={args.steps}",
-           f"train.batch_size={args.batch_size}", "eval.every=0", f"eval.batches={args.eval_batches}",
-           f"train.log_every={args.steps}", "checkpoint.enabled=false", f"run.dir={tmp}", f"run.name={name}",
-           f"data.cache_dir={args.cache}", "train.progress=false"]
+    common = [*overrides, f"seed={seed}", f"launch.nproc={args.workers}", "launch.threads_per_rank=1",
+              f"train.steps={args.steps}", "eval.every=0", f"train.log_every={args.steps}", "checkpoint.enabled=false",
+              f"run.dir={tmp}", f"run.name={name}", f"data.cache_dir={args.cache}", "train.progress=false"]
+    if args.batch_size:
+        common.append(f"train.batch_size={args.batch_size}")
+    if args.eval_batches:
+        common.append(f"eval.batches={args.eval_batches}")
+    if args.task == "tiny":
+        cmd = [str(Path(sys.executable).parent / "subnetdp"), "train", "llama_tiny_stdlib", *common]
+    else:  # the evidence study's task: its recipe and overrides, then these runs' own (later ones win)
+        cmd = TASKS[args.task].command(common, steps=args.steps)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -84,73 +102,136 @@ def projected(r: dict, gbit: float, latency_s: float) -> float:
     return r["step_time_s"] + r["wire_bytes_per_step"] * 8 / (gbit * 1e9) + r["collectives_per_step"] * latency_s
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=1024)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--eval-batches", type=int, default=20)
+    parser.add_argument("--task", default="tiny", choices=["tiny", *TASKS],
+                        help="tiny: llama_tiny_stdlib (the table in docs/local_steps.md); llama8: the evidence study's "
+                             "8-block LLaMA (benchmarks/evidence_tasks.py)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="per-rank batch (default: 8 for tiny, the task's own otherwise)")
+    parser.add_argument("--eval-batches", type=int, default=None,
+                        help="validation batches (default: 20 for tiny, the task's own otherwise)")
     parser.add_argument("--latency-us", type=float, default=100.0)
     parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
     parser.add_argument("--out", default="local_steps.json", help="file name in benchmarks/results/")
-    parser.add_argument("--outer", nargs="*", default=[], metavar="LR:MOMENTUM",
-                        help="extra H=16 rows with these outer settings (a sweep), labelled 'SDP C=0.5, H=16, lr LR m M'")
-    args = parser.parse_args()
+    parser.add_argument("--reuse", type=Path, default=None, metavar="JSON",
+                        help="a results file (or its .partial) of the same task and steps: its runs are kept, only "
+                             "the missing (row, seed) pairs run; e.g. --seeds 5 --reuse results/local_steps.json")
+    parser.add_argument("--outer", nargs="*", default=[], metavar="[H:]LR:MOMENTUM",
+                        help="extra rows with these outer settings (a sweep; H = 16 unless given), labelled "
+                             "'SDP C=0.5, H=H, lr LR m M'")
+    args = parser.parse_args(argv)
     for spec in args.outer:
-        lr, mom = spec.split(":")
-        label = f"SDP C=0.5, H=16, lr {lr} m {mom}"
-        RUNS[label] = ["masker.coverage=0.5", "sync.mode=local_steps", "sync.every=16", f"sync.outer_lr={lr}",
-                       f"sync.outer_momentum={mom}"]
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            parser.error(f"--outer {spec}: expected LR:MOMENTUM or H:LR:MOMENTUM, e.g. 16:0.3:0.7")
+        h, lr, mom = parts if len(parts) == 3 else ["16", *parts]
+        label = f"SDP C=0.5, H={h}, lr {lr} m {mom}"
+        RUNS[label] = [*LOCAL, f"sync.every={h}", f"sync.outer_lr={lr}", f"sync.outer_momentum={mom}"]
         if args.only is not None:
             args.only.append(label)
-    latency = args.latency_us * 1e-6
+    if args.task == "tiny":
+        args.batch_size, args.eval_batches = args.batch_size or 8, args.eval_batches or 20
+    args.done = {}
+    if args.reuse:
+        old = json.loads(args.reuse.read_text())
+        if old.get("task", "tiny") != args.task or old.get("steps", args.steps) != args.steps:
+            parser.error(f"--reuse {args.reuse}: task {old.get('task', 'tiny')}, {old.get('steps')} steps; "
+                         f"this run is task {args.task}, {args.steps} steps")
+        args.done = {(r["label"], r["seed"]): r for r in old["runs"]}
+    return args
+
+
+def collect(args: argparse.Namespace) -> list[dict]:
+    """Every (row, seed) run: reused from ``--reuse`` or run now, seeds outermost."""
+    raw: list[dict] = []
+    partial = RESULTS / (args.out + ".partial")
     with tempfile.TemporaryDirectory() as tmp:
         args.cache = Path(tmp) / "data"
-        raw = []
-        for label, ov in RUNS.items():
-            for seed in range(args.seeds if not args.only or label in args.only else 0):
+        for seed in range(args.seeds):  # seeds outermost: an interrupted run still has whole seeds
+            for label, ov in RUNS.items():
+                if (label, seed) in args.done:
+                    raw.append(args.done[(label, seed)])
+                    continue
+                if args.only and label not in args.only:
+                    continue
                 raw.append(run(label, ov, seed, args, Path(tmp)))
-                print(f"{label} seed {seed}: val loss {raw[-1]['eval']['loss']:.4f}, {raw[-1]['wall_s']:.0f} s", flush=True)
-    rows = {}
+                print(f"{label} seed {seed}: val loss {raw[-1]['eval']['loss']:.4f}, {raw[-1]['wall_s']:.0f} s",
+                      flush=True)
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"task": args.task, "steps": args.steps, "runs": raw}, indent=2))
+    return raw
+
+
+def summarise(raw: list[dict], latency_s: float) -> dict[str, dict]:
+    """One row per label: means over seeds, ratios to DDP and per-step SDP, the gap paired over seeds."""
+    rows: dict[str, dict] = {}
     for label in RUNS:
         mine = [r for r in raw if r["label"] == label]
         if not mine:
             continue
         losses = [r["eval"]["loss"] for r in mine]
         mean = lambda k: statistics.mean(r[k] for r in mine)  # noqa: E731
-        rows[label] = {"val_loss_mean": statistics.mean(losses),
+        rows[label] = {"seeds": sorted(r["seed"] for r in mine), "val_loss_mean": statistics.mean(losses),
                        "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                        "bytes_per_step": mean("bytes_per_step"), "wire_bytes_per_step": mean("wire_bytes_per_step"),
                        "step_time_s": mean("step_time_s"), "collectives_per_step": mean("collectives_per_step"),
                        "outer_state_bytes": mine[0]["outer_state_bytes"],
                        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in mine)}
         for gbit in (1, 10):
-            rows[label][f"projected_step_s_{gbit}gbit"] = statistics.mean(projected(r, gbit, latency) for r in mine)
+            rows[label][f"projected_step_s_{gbit}gbit"] = statistics.mean(projected(r, gbit, latency_s) for r in mine)
     ddp, every = rows.get("DDP (C=1)"), rows.get("SDP C=0.5, every step")
-    head = (f"{'run':>28} {'val loss':>15} {'- every step':>12} {'KiB/step':>9} {'vs DDP':>7} {'vs every':>8} "
-            f"{'ms/step here':>12} {'ms @1Gb/s':>9} {'ms @10Gb/s':>10}")
-    lines = [f"LLaMA tiny on the stdlib, {args.workers} gloo workers, {args.steps} inner steps, batch {args.batch_size} "
-             f"x 128 tokens per rank, {args.seeds} seeds; latency {args.latency_us:g} us per collective", head,
-             "-" * len(head)]
+    # Paired over seeds: a seed draws the initial weights and the data order of both runs.
+    base = {x["seed"]: x["eval"]["loss"] for x in raw if x["label"] == "SDP C=0.5, every step"}
     for label, r in rows.items():
-        rel = r["bytes_per_step"] / ddp["bytes_per_step"] if ddp else float("nan")
-        r["bytes_vs_ddp"] = rel
-        if every:
-            r["val_loss_minus_every_step"] = r["val_loss_mean"] - every["val_loss_mean"]
-            r["bytes_vs_every_step"] = r["bytes_per_step"] / every["bytes_per_step"]
-        lines.append(f"{label:>28} {r['val_loss_mean']:>7.4f} ± {r['val_loss_std']:.4f} "
-                     f"{r.get('val_loss_minus_every_step', float('nan')):>+12.4f} {r['bytes_per_step'] / 1024:>9.1f} "
-                     f"{rel:>7.4f} {r.get('bytes_vs_every_step', float('nan')):>8.4f} {r['step_time_s'] * 1000:>12.0f} "
+        r["bytes_vs_ddp"] = r["bytes_per_step"] / ddp["bytes_per_step"] if ddp else float("nan")
+        if not every:
+            continue
+        r["val_loss_minus_every_step"] = r["val_loss_mean"] - every["val_loss_mean"]
+        r["bytes_vs_every_step"] = r["bytes_per_step"] / every["bytes_per_step"]
+        gaps = {x["seed"]: x["eval"]["loss"] - base[x["seed"]] for x in raw
+                if x["label"] == label and x["seed"] in base}
+        r["gap_per_seed"] = gaps
+        if gaps:
+            r["gap_mean"] = statistics.mean(gaps.values())
+            r["gap_std"] = statistics.stdev(gaps.values()) if len(gaps) > 1 else 0.0
+    return rows
+
+
+def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
+    head = (f"{'run':>28} {'n':>2} {'val loss':>15} {'- every step (paired)':>18} {'KiB/step':>9} {'vs DDP':>7} "
+            f"{'vs every':>8} {'ms/step here':>12} {'ms @1Gb/s':>9} {'ms @10Gb/s':>10}")
+    what = "LLaMA tiny on the stdlib" if args.task == "tiny" else TASKS[args.task].description
+    batch = f"batch {args.batch_size} per rank" if args.batch_size else "the task's batch"
+    lines = [f"{what}; {args.workers} gloo workers, {args.steps} inner steps, {batch}, n seeds per row; "
+             f"latency {args.latency_us:g} us per collective", head, "-" * len(head)]
+    for label, r in rows.items():
+        gap_text = (f"{r['gap_mean']:+.4f} ± {r['gap_std']:.4f}" if len(r.get("gap_per_seed", {})) > 1 else
+                    f"{r.get('val_loss_minus_every_step', float('nan')):+.4f}")
+        lines.append(f"{label:>28} {len(r['seeds']):>2} {r['val_loss_mean']:>7.4f} ± {r['val_loss_std']:.4f} "
+                     f"{gap_text:>18} {r['bytes_per_step'] / 1024:>9.1f} {r['bytes_vs_ddp']:>7.4f} "
+                     f"{r.get('bytes_vs_every_step', float('nan')):>8.4f} {r['step_time_s'] * 1000:>12.0f} "
                      f"{r['projected_step_s_1gbit'] * 1000:>9.0f} {r['projected_step_s_10gbit'] * 1000:>10.0f}")
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    raw = collect(args)
+    rows = summarise(raw, args.latency_us * 1e-6)
+    table = render(rows, args)
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"benchmark": "local_steps", "steps": args.steps, "seeds": args.seeds, "workers": args.workers,
-           "batch_size": args.batch_size, "latency_us": args.latency_us, "platform": platform.platform(),
+    out = {"benchmark": "local_steps", "task": args.task, "steps": args.steps, "seeds": args.seeds,
+           "workers": args.workers, "batch_size": args.batch_size, "latency_us": args.latency_us,
+           "platform": platform.platform(),
            "model": "t = measured step time + ring wire bytes * 8 / bandwidth + collectives per step * latency",
            "rows": rows, "runs": raw, "table": table}
     (RESULTS / args.out).write_text(json.dumps(out, indent=2))
+    (RESULTS / (args.out + ".partial")).unlink(missing_ok=True)
     print(f"\nwrote {RESULTS / args.out}")
     return 0
 

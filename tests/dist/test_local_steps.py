@@ -11,8 +11,9 @@
   than rounding (ResNet-18 on digits jumps from 1e-7 to 2e-5 within three steps).
 - H = 4 (neuron level, C = 0.75: pieces held by one rank, by both, and shared ones; AdamW inner, grad
   accumulation, clipping, outer Nesterov): owners differ between synchronisations and are
-  bit-identical right after each one; the outer update equals one computed here from the deltas,
-  anchors and momentum each rank had before the synchronisation; bytes per step are one
+  bit-identical right after each one; the outer update equals, bit for bit, the step
+  ``torch.optim.SGD(nesterov=True)`` takes from the owners' averaged deltas, the anchor and the
+  momentum each rank had before the synchronisation; bytes per step are one
   synchronisation's payload over 4 steps (summary and TensorBoard).
 - Resuming that run from its checkpoint at step 6 (the middle of a cycle) ends bit-identical to it:
   parameters, buffers and outer state of both ranks, and the union model's evaluation.
@@ -136,6 +137,20 @@ def _worker(rank: int, world: int, init_method: str, cache: str) -> dict:
     return out
 
 
+def _torch_nesterov_step(anchor: torch.Tensor, g: torch.Tensor, momentum: torch.Tensor, step: int, lr: float,
+                         mu: float) -> torch.Tensor:
+    """The outer step as ``torch.optim.SGD(nesterov=True)`` takes it: the anchor, the averaged pseudo-gradient."""
+    p = torch.nn.Parameter(anchor.clone())
+    p.grad = g.clone()
+    opt = torch.optim.SGD([p], lr=lr, momentum=mu, nesterov=True, foreach=False)
+    if step:  # from the second synchronisation on, the momentum buffer the ranks held before it
+        opt.state[p]["momentum_buffer"] = momentum.clone()
+    else:  # torch starts the buffer at the first gradient; the ranks' buffer starts at zero
+        assert not momentum.any()
+    opt.step()
+    return p.detach()
+
+
 def _check_outer_update(results: list[dict]) -> None:
     lr, mu = 0.7, 0.9
     syncs = [r["syncs"] for r in results]
@@ -150,8 +165,7 @@ def _check_outer_update(results: list[dict]) -> None:
                 assert torch.equal(s["anchor"][key], mine[0]["anchor"][key]), key
             deltas = [s["anchor"][key] - s["params"][key] for s in mine]  # each owner's minus delta
             g = (deltas[0] + deltas[1]) / 2 if len(deltas) == 2 else deltas[0]
-            m = mine[0]["momentum"][key].clone().mul_(mu).add_(g)
-            expected = mine[0]["anchor"][key].add(g.add(m, alpha=mu), alpha=-lr)
+            expected = _torch_nesterov_step(mine[0]["anchor"][key], g, mine[0]["momentum"][key], i, lr, mu)
             for s in mine:
                 # Bit-identical owners after the synchronisation, at the independently computed update.
                 assert torch.equal(s["after"][key], expected), key
