@@ -53,7 +53,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.evidence_tasks import TASKS  # noqa: E402
+from benchmarks.evidence_tasks import TASKS as EVIDENCE_TASKS, Task  # noqa: E402
+
+# The default task: the tiny LLaMA recipe at 8 x 128 tokens per rank (the table in docs/local_steps.md).
+TINY = Task(name="tiny", recipe="llama_tiny_stdlib",
+            overrides=("train.batch_size=8", "eval.batches=20", "launch.threads_per_rank=1"),
+            metric="loss", higher_is_better=False, world_size=4, steps=1024, quick_steps=16, eval_every=0,
+            description="LLaMA tiny on the stdlib, 8 x 128 tokens per rank")
+TASKS = {"tiny": TINY, **EVIDENCE_TASKS}
 
 RESULTS = Path(__file__).parent / "results"
 NESTEROV = ["sync.outer_lr=0.7", "sync.outer_momentum=0.9"]  # DiLoCo's values
@@ -71,17 +78,14 @@ RUNS = {  # label: overrides
 
 def run(label: str, overrides: list[str], seed: int, args: argparse.Namespace, tmp: Path) -> dict:
     name = f"{label}-s{seed}".replace(" ", "").replace(",", "-").replace("=", "").replace("(", "").replace(")", "")
-    common = [*overrides, f"seed={seed}", f"launch.nproc={args.workers}", "launch.threads_per_rank=1",
-              f"train.steps={args.steps}", "eval.every=0", f"train.log_every={args.steps}", "checkpoint.enabled=false",
-              f"run.dir={tmp}", f"run.name={name}", f"data.cache_dir={args.cache}", "train.progress=false"]
+    extra = [*overrides, f"seed={seed}", f"launch.nproc={args.workers}", "launch.threads_per_rank=1",
+             "eval.every=0", f"train.log_every={args.steps}", "checkpoint.enabled=false", f"run.dir={tmp}",
+             f"run.name={name}", f"data.cache_dir={args.cache}", "train.progress=false"]
     if args.batch_size:
-        common.append(f"train.batch_size={args.batch_size}")
+        extra.append(f"train.batch_size={args.batch_size}")
     if args.eval_batches:
-        common.append(f"eval.batches={args.eval_batches}")
-    if args.task == "tiny":
-        cmd = [str(Path(sys.executable).parent / "subnetdp"), "train", "llama_tiny_stdlib", *common]
-    else:  # the evidence study's task: its recipe and overrides, then these runs' own (later ones win)
-        cmd = TASKS[args.task].command(common, steps=args.steps)
+        extra.append(f"eval.batches={args.eval_batches}")
+    cmd = TASKS[args.task].command(extra, steps=args.steps)  # the task's overrides, then these (later win)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -89,7 +93,8 @@ def run(label: str, overrides: list[str], seed: int, args: argparse.Namespace, t
     ranks = summary["ranks"]
     h = int(ranks[0].get("sync_every", 1)) if ranks[0]["sync_mode"] == "local_steps" else 1
     groups = statistics.mean(sum(1 for g in r["bytes_by_group"].values() if g["k"] > 1) for r in ranks)
-    norm = 1 if h == 1 and any(g["k"] < args.workers for g in ranks[0]["bytes_by_group"].values()) else 0
+    every_step = ranks[0]["sync_mode"] != "local_steps"  # local steps clip by the rank's own norm: no collective
+    norm = 1 if every_step and any(g["k"] < args.workers for g in ranks[0]["bytes_by_group"].values()) else 0
     return {"label": label, "seed": seed, "command": " ".join(cmd[1:]), "wall_s": wall, "eval": summary["eval"],
             "sync_every": h, "bytes_per_step": statistics.mean(r["bytes_sent_per_step"] for r in ranks),
             "wire_bytes_per_step": statistics.mean(r["wire_bytes_per_step_ring"] for r in ranks),
@@ -110,10 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task", default="tiny", choices=["tiny", *TASKS],
                         help="tiny: llama_tiny_stdlib (the table in docs/local_steps.md); llama8: the evidence study's "
                              "8-block LLaMA (benchmarks/evidence_tasks.py)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="per-rank batch (default: 8 for tiny, the task's own otherwise)")
-    parser.add_argument("--eval-batches", type=int, default=None,
-                        help="validation batches (default: 20 for tiny, the task's own otherwise)")
+    parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch (default: the task's own)")
+    parser.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the task's own)")
     parser.add_argument("--latency-us", type=float, default=100.0)
     parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
     parser.add_argument("--out", default="local_steps.json", help="file name in benchmarks/results/")
@@ -133,8 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         RUNS[label] = [*LOCAL, f"sync.every={h}", f"sync.outer_lr={lr}", f"sync.outer_momentum={mom}"]
         if args.only is not None:
             args.only.append(label)
-    if args.task == "tiny":
-        args.batch_size, args.eval_batches = args.batch_size or 8, args.eval_batches or 20
     args.done = {}
     if args.reuse:
         old = json.loads(args.reuse.read_text())
@@ -204,9 +205,9 @@ def summarise(raw: list[dict], latency_s: float) -> dict[str, dict]:
 def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
     head = (f"{'run':>28} {'n':>2} {'val loss':>15} {'- every step (paired)':>18} {'KiB/step':>9} {'vs DDP':>7} "
             f"{'vs every':>8} {'ms/step here':>12} {'ms @1Gb/s':>9} {'ms @10Gb/s':>10}")
-    what = "LLaMA tiny on the stdlib" if args.task == "tiny" else TASKS[args.task].description
     batch = f"batch {args.batch_size} per rank" if args.batch_size else "the task's batch"
-    lines = [f"{what}; {args.workers} gloo workers, {args.steps} inner steps, {batch}, n seeds per row; "
+    lines = [f"{TASKS[args.task].description}; {args.workers} gloo workers, {args.steps} inner steps, {batch}, "
+             "n seeds per row; "
              f"latency {args.latency_us:g} us per collective", head, "-" * len(head)]
     for label, r in rows.items():
         gap_text = (f"{r['gap_mean']:+.4f} ± {r['gap_std']:.4f}" if len(r.get("gap_per_seed", {})) > 1 else
