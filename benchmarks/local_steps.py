@@ -13,8 +13,11 @@ validation set). Runs, all at the same number of inner steps and the same per-ra
   every step), 4, 16 and 64;
 - SDP C = 0.5 with local steps, H = 4, 16, 64, with outer SGD with Nesterov momentum at DiLoCo's
   values (``sync.outer_lr=0.7``, ``sync.outer_momentum=0.9``);
-- ``--outer LR:MOMENTUM ...`` adds H = 16 rows of other outer settings (the sweep in
-  ``docs/local_steps.md``).
+- the control, DDP with local steps (coverage 1, H = 16, plain averaging), whose paired gap is to
+  DDP: what the interval costs without SDP;
+- ``--outer [H:]LR:MOMENTUM ...`` adds rows of other outer settings (the sweep in
+  ``docs/local_steps.md``), ``--every-step-lr LR ...`` per-step SDP rows at other inner learning
+  rates (the control for a damped outer step).
 
 Each over ``--seeds`` seeds (the seed draws the initial weights and the data order). Reported: the
 union model's validation loss after the last step (mean ± sample std over seeds), bytes handed to
@@ -31,9 +34,10 @@ norm's all-reduce at every step for per-step SDP below C = 1, and ``latency`` = 
 projection slightly over-counts communication; every figure is the mean over ranks and seeds.
 
 Each row's gap to per-step SDP is also given paired over seeds (mean ± std of the per-seed
-differences: a seed draws both runs' initial weights and data order).
+differences: a seed draws both runs' initial weights and data order), to per-step SDP except for
+the control, whose gap is to DDP.
 
-Run: ``.venv/bin/python benchmarks/local_steps.py [--steps 1024] [--seeds 3]`` (27 runs of 1.5-2.5
+Run: ``.venv/bin/python benchmarks/local_steps.py [--steps 1024] [--seeds 3]`` (30 runs of 1.5-2.5
 minutes on 2 idle cores, about an hour; ``--steps 256`` gave ``results/local_steps_256.json``).
 Writes ``benchmarks/results/local_steps.json`` (``--out`` another name), and after every run a
 ``.partial`` file with the runs so far.
@@ -73,12 +77,16 @@ RUNS = {  # label: overrides
     "SDP C=0.5, H=1, avg": [*LOCAL, "sync.every=1", *PLAIN],
     **{f"SDP C=0.5, H={h}, avg": [*LOCAL, f"sync.every={h}", *PLAIN] for h in (4, 16, 64)},
     **{f"SDP C=0.5, H={h}, Nesterov": [*LOCAL, f"sync.every={h}", *NESTEROV] for h in (4, 16, 64)},
+    # The control: local steps without SDP, to tell the interval's cost from its composition with SDP.
+    "DDP (C=1), H=16, avg": ["masker.coverage=1", "sync.mode=local_steps", "sync.every=16", *PLAIN],
 }
+EVERY_STEP = "SDP C=0.5, every step"
+BASELINE = {"DDP (C=1), H=16, avg": "DDP (C=1)"}  # a row's paired gap is to this row (default: EVERY_STEP)
 
 
 def run(label: str, overrides: list[str], seed: int, args: argparse.Namespace, tmp: Path) -> dict:
     name = f"{label}-s{seed}".replace(" ", "").replace(",", "-").replace("=", "").replace("(", "").replace(")", "")
-    extra = [*overrides, f"seed={seed}", f"launch.nproc={args.workers}", "launch.threads_per_rank=1",
+    extra = [*args.set, *overrides, f"seed={seed}", f"launch.nproc={args.workers}", "launch.threads_per_rank=1",
              "eval.every=0", f"train.log_every={args.steps}", "checkpoint.enabled=false", f"run.dir={tmp}",
              f"run.name={name}", f"data.cache_dir={args.cache}", "train.progress=false"]
     if args.batch_size:
@@ -101,6 +109,12 @@ def run(label: str, overrides: list[str], seed: int, args: argparse.Namespace, t
             "step_time_s": statistics.mean(r["step_time_s"] for r in ranks),
             "collectives_per_step": groups / h + norm, "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
             "outer_state_bytes": ranks[0].get("outer_state_bytes", 0)}
+
+
+def task_batch(task: str, batch_size: int | None) -> int:
+    """The per-rank batch a run of ``task`` uses: ``--batch-size``, else the task's own."""
+    own = [int(o.split("=", 1)[1]) for o in TASKS[task].overrides if o.startswith("train.batch_size=")]
+    return batch_size or own[-1]
 
 
 def projected(r: dict, gbit: float, latency_s: float) -> float:
@@ -126,7 +140,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer", nargs="*", default=[], metavar="[H:]LR:MOMENTUM",
                         help="extra rows with these outer settings (a sweep; H = 16 unless given), labelled "
                              "'SDP C=0.5, H=H, lr LR m M'")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides on top of the task for every row (a row's own overrides win), e.g. "
+                             "--set optim.lr=1.5e-3; part of the task for --reuse")
+    parser.add_argument("--every-step-lr", nargs="*", type=float, default=[], metavar="LR",
+                        help="extra per-step SDP rows at these inner learning rates (optim.lr), labelled "
+                             "'SDP C=0.5, every step, lr LR': does a damped outer step only lower the learning rate?")
     args = parser.parse_args(argv)
+    for lr in args.every_step_lr:
+        label = f"{EVERY_STEP}, lr {lr:g}"
+        RUNS[label] = ["masker.coverage=0.5", f"optim.lr={lr:g}"]
+        if args.only is not None:
+            args.only.append(label)
     for spec in args.outer:
         parts = spec.split(":")
         if len(parts) not in (2, 3):
@@ -139,9 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.done = {}
     if args.reuse:
         old = json.loads(args.reuse.read_text())
-        if old.get("task", "tiny") != args.task or old.get("steps", args.steps) != args.steps:
-            parser.error(f"--reuse {args.reuse}: task {old.get('task', 'tiny')}, {old.get('steps')} steps; "
-                         f"this run is task {args.task}, {args.steps} steps")
+        theirs = (old.get("task", "tiny"), old.get("steps", args.steps),
+                  task_batch(old.get("task", "tiny"), old.get("batch_size")), old.get("set", []))
+        mine = (args.task, args.steps, task_batch(args.task, args.batch_size), args.set)
+        if theirs != mine:
+            parser.error(f"--reuse {args.reuse}: task {theirs[0]}, {theirs[1]} steps, batch {theirs[2]}, --set "
+                         f"{theirs[3]}; this run is task {mine[0]}, {mine[1]} steps, batch {mine[2]}, --set {mine[3]} "
+                         "(--task, --steps, --batch-size, --set)")
         args.done = {(r["label"], r["seed"]): r for r in old["runs"]}
     return args
 
@@ -184,15 +213,15 @@ def summarise(raw: list[dict], latency_s: float) -> dict[str, dict]:
                        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in mine)}
         for gbit in (1, 10):
             rows[label][f"projected_step_s_{gbit}gbit"] = statistics.mean(projected(r, gbit, latency_s) for r in mine)
-    ddp, every = rows.get("DDP (C=1)"), rows.get("SDP C=0.5, every step")
-    # Paired over seeds: a seed draws the initial weights and the data order of both runs.
-    base = {x["seed"]: x["eval"]["loss"] for x in raw if x["label"] == "SDP C=0.5, every step"}
+    ddp, every = rows.get("DDP (C=1)"), rows.get(EVERY_STEP)
     for label, r in rows.items():
         r["bytes_vs_ddp"] = r["bytes_per_step"] / ddp["bytes_per_step"] if ddp else float("nan")
-        if not every:
-            continue
-        r["val_loss_minus_every_step"] = r["val_loss_mean"] - every["val_loss_mean"]
-        r["bytes_vs_every_step"] = r["bytes_per_step"] / every["bytes_per_step"]
+        if every:
+            r["val_loss_minus_every_step"] = r["val_loss_mean"] - every["val_loss_mean"]
+            r["bytes_vs_every_step"] = r["bytes_per_step"] / every["bytes_per_step"]
+        # Paired over seeds: a seed draws the initial weights and the data order of both runs.
+        r["gap_to"] = BASELINE.get(label, EVERY_STEP)
+        base = {x["seed"]: x["eval"]["loss"] for x in raw if x["label"] == r["gap_to"]}
         gaps = {x["seed"]: x["eval"]["loss"] - base[x["seed"]] for x in raw
                 if x["label"] == label and x["seed"] in base}
         r["gap_per_seed"] = gaps
@@ -206,16 +235,21 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
     head = (f"{'run':>28} {'n':>2} {'val loss':>15} {'- every step (paired)':>18} {'KiB/step':>9} {'vs DDP':>7} "
             f"{'vs every':>8} {'ms/step here':>12} {'ms @1Gb/s':>9} {'ms @10Gb/s':>10}")
     batch = f"batch {args.batch_size} per rank" if args.batch_size else "the task's batch"
+    batch += f", {' '.join(args.set)}" if getattr(args, "set", None) else ""
     lines = [f"{TASKS[args.task].description}; {args.workers} gloo workers, {args.steps} inner steps, {batch}, "
              "n seeds per row; "
              f"latency {args.latency_us:g} us per collective", head, "-" * len(head)]
     for label, r in rows.items():
-        gap_text = (f"{r['gap_mean']:+.4f} ± {r['gap_std']:.4f}" if len(r.get("gap_per_seed", {})) > 1 else
-                    f"{r.get('val_loss_minus_every_step', float('nan')):+.4f}")
+        n_gaps = len(r.get("gap_per_seed", {}))
+        gap_text = (f"{r['gap_mean']:+.4f} ± {r['gap_std']:.4f}" if n_gaps > 1 else
+                    f"{r['gap_mean']:+.4f}" if n_gaps else "")
         lines.append(f"{label:>28} {len(r['seeds']):>2} {r['val_loss_mean']:>7.4f} ± {r['val_loss_std']:.4f} "
                      f"{gap_text:>18} {r['bytes_per_step'] / 1024:>9.1f} {r['bytes_vs_ddp']:>7.4f} "
                      f"{r.get('bytes_vs_every_step', float('nan')):>8.4f} {r['step_time_s'] * 1000:>12.0f} "
                      f"{r['projected_step_s_1gbit'] * 1000:>9.0f} {r['projected_step_s_10gbit'] * 1000:>10.0f}")
+    others = sorted({f"{label}: {r['gap_to']}" for label, r in rows.items() if r["gap_to"] != EVERY_STEP})
+    if others:
+        lines.append(f"paired gap to '{EVERY_STEP}', except " + "; ".join(others))
     return "\n".join(lines)
 
 
@@ -227,7 +261,7 @@ def main() -> int:
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": "local_steps", "task": args.task, "steps": args.steps, "seeds": args.seeds,
-           "workers": args.workers, "batch_size": args.batch_size, "latency_us": args.latency_us,
+           "workers": args.workers, "batch_size": args.batch_size, "set": args.set, "latency_us": args.latency_us,
            "platform": platform.platform(),
            "model": "t = measured step time + ring wire bytes * 8 / bandwidth + collectives per step * latency",
            "rows": rows, "runs": raw, "table": table}
