@@ -147,20 +147,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra per-step SDP rows at these inner learning rates (optim.lr), labelled "
                              "'SDP C=0.5, every step, lr LR': does a damped outer step only lower the learning rate?")
     args = parser.parse_args(argv)
-    for lr in args.every_step_lr:
-        label = f"{EVERY_STEP}, lr {lr:g}"
-        RUNS[label] = ["masker.coverage=0.5", f"optim.lr={lr:g}"]
+
+    def add_row(label: str, overrides: list[str]) -> None:  # a row asked for by a flag also runs under --only
+        RUNS[label] = overrides
         if args.only is not None:
             args.only.append(label)
+
+    for lr in args.every_step_lr:
+        add_row(f"{EVERY_STEP}, lr {lr:g}", ["masker.coverage=0.5", f"optim.lr={lr:g}"])
     for spec in args.outer:
         parts = spec.split(":")
         if len(parts) not in (2, 3):
             parser.error(f"--outer {spec}: expected LR:MOMENTUM or H:LR:MOMENTUM, e.g. 16:0.3:0.7")
         h, lr, mom = parts if len(parts) == 3 else ["16", *parts]
-        label = f"SDP C=0.5, H={h}, lr {lr} m {mom}"
-        RUNS[label] = [*LOCAL, f"sync.every={h}", f"sync.outer_lr={lr}", f"sync.outer_momentum={mom}"]
-        if args.only is not None:
-            args.only.append(label)
+        add_row(f"SDP C=0.5, H={h}, lr {lr} m {mom}",
+                [*LOCAL, f"sync.every={h}", f"sync.outer_lr={lr}", f"sync.outer_momentum={mom}"])
     args.done = {}
     if args.reuse:
         old = json.loads(args.reuse.read_text())
@@ -235,7 +236,7 @@ def render(rows: dict[str, dict], args: argparse.Namespace) -> str:
     head = (f"{'run':>28} {'n':>2} {'val loss':>15} {'- every step (paired)':>18} {'KiB/step':>9} {'vs DDP':>7} "
             f"{'vs every':>8} {'ms/step here':>12} {'ms @1Gb/s':>9} {'ms @10Gb/s':>10}")
     batch = f"batch {args.batch_size} per rank" if args.batch_size else "the task's batch"
-    batch += f", {' '.join(args.set)}" if getattr(args, "set", None) else ""
+    batch += f", {' '.join(args.set)}" if args.set else ""
     lines = [f"{TASKS[args.task].description}; {args.workers} gloo workers, {args.steps} inner steps, {batch}, "
              "n seeds per row; "
              f"latency {args.latency_us:g} us per collective", head, "-" * len(head)]
