@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1024)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--task", default="tiny", choices=["tiny", *TASKS],
+    parser.add_argument("--task", default="tiny", choices=list(TASKS),
                         help="tiny: llama_tiny_stdlib (the table in docs/local_steps.md); llama8: the evidence study's "
                              "8-block LLaMA (benchmarks/evidence_tasks.py)")
     parser.add_argument("--batch-size", type=int, default=None, help="per-rank batch (default: the task's own)")
