@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader
+from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader, doc
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.data.token_shards import PLAIN_DTYPES, open_shard
@@ -47,7 +47,8 @@ class TokensConfig(DataConfig):
     val_pattern: str = "*val*.bin"
     shuffle: bool = True
     # Only for root=stdlib: where the corpus is built, and how.
-    cache_dir: str = "runs/data"
+    cache_dir: str = doc("root=stdlib only: where the corpus is built (eval and export take their own, never a "
+                         "checkpoint's)", "runs/data", writes=True)
     tokenizer: str = "bytes"  # bytes | bpe
     bpe_vocab_size: int = 4096
     stdlib_max_mb: float = 4.0
