@@ -30,6 +30,7 @@ import torch
 from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader, doc
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.core.records import plain_name_problem
 from subnetdp.plugins.data.token_shards import PLAIN_DTYPES, open_shard
 
 PREPARE_HINT = ("prepare shards with `subnetdp prepare-text FILES_OR_DIRS --out DIR` (or `--fineweb N`), "
@@ -223,7 +224,12 @@ class TokensData(DataModule):
         if kind == "bytes":
             return make_tokenizer("bytes")
         if kind == "bpe" and self._meta.get("tokenizer_file"):
-            path = root / str(self._meta["tokenizer_file"])
+            name = self._meta["tokenizer_file"]
+            problem = plain_name_problem(name)
+            if problem:  # meta.json is data: it names a file beside it, never one elsewhere
+                raise ConfigError("data.root", str(self.cfg.root), f"{root / 'meta.json'} names the tokenizer file "
+                                  f"{name!r}, which {problem}", "name a file in the shards' folder")
+            path = root / name
             if not path.is_file():
                 raise ConfigError("data.root", str(self.cfg.root), f"meta.json names {path}, which is missing",
                                   "copy the tokenizer file beside the shards, or prepare them again")
