@@ -204,7 +204,8 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
     if limit is not None and limit >= 1:
         limit = int(limit)
     loaded, results, written = evaluate_checkpoint_tasks(
-        ns.path, tasks, ns.include_path or [], limit, ns.num_fewshot, ns.batch_size, ns.device, ns.offline)
+        ns.path, tasks, ns.include_path or [], limit, ns.num_fewshot, ns.batch_size, ns.device, ns.offline,
+        data=ns.data)
     if ns.json:
         print(json.dumps({"checkpoint": str(loaded.path), "step": loaded.manifest["step"], "lm_eval": scalars(results),
                           "written": str(written)}))
@@ -217,7 +218,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if ns.format == "hf":
         from subnetdp.hf import export_hf
 
-        out, files = export_hf(ns.checkpoint, ns.out)
+        out, files = export_hf(ns.checkpoint, ns.out, data=ns.data)
         print(f"wrote {', '.join(files)} to {out}; load with "
               f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
               + ("" if "tokenizer.json" in files else " (the run's tokenizer is unknown: no tokenizer files)"))

@@ -22,7 +22,10 @@ batches, as the in-run evaluation does, so the exported model scores the run's m
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,16 +63,23 @@ class LoadedUnion:
 
 
 def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Sequence[str] = ()) -> Any:
-    """The checkpoint's config; with ``data`` (``data.key=value`` the user typed), their data instead.
+    """The checkpoint's config, with what this invocation decides instead: where files are written,
+    and with ``data`` (``data.key=value`` the user typed) their data.
 
     What a checkpoint's ``config.yaml`` is trusted with: the model, masker, seed and evaluation
-    settings (they build tensors and read nothing). Its ``data.*`` section names files to read, so it
-    is used only when the data module says reading them cannot run code
-    (:meth:`~subnetdp.core.contracts.DataModule.unsafe_to_open`); otherwise the user names the data.
+    settings (they build tensors and read nothing). It is data: loaded without resolving anything,
+    refused if it holds an interpolation (:func:`~subnetdp.core.stored.load_stored`). It never
+    chooses where files are written: every key declared ``writes`` (``data.cache_dir``,
+    ``data.download``, ``run.dir``) takes this invocation's value, the default or the user's
+    ``data.KEY=...``. Its ``data.*`` section names files to read, so it is used only when the data
+    module says reading them cannot run code (:meth:`~subnetdp.core.contracts.DataModule.unsafe_to_open`);
+    otherwise the user names the data, and any ``data.*`` override other than a write key replaces
+    the checkpoint's whole data section.
     """
     from omegaconf import OmegaConf
 
     from subnetdp.core.config import compose, parse_overrides
+    from subnetdp.core.stored import drop_keys, invocation_keys, load_stored
 
     path = ck.verify_file(ckpt, "config.yaml", manifest)
     for item in data:
@@ -78,20 +88,22 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
             raise ConfigError(key, item.split("=", 1)[-1], "eval and export take data.* overrides only (the "
                               "rest of the config is the checkpoint's)", "e.g. data.root=DIR")
     parse_overrides(data)  # a malformed override names its key before the checkpoint is read
-    recipe = str(path)
+    raw = load_stored(path)
+    local = invocation_keys(raw, pm.registries)
+    replaced = any(item.split("=", 1)[0] not in local for item in data)
+    if replaced:  # the user's data replaces the checkpoint's whole data section; its name is the default
+        name = OmegaConf.select(raw, "data.name", default=None)
+        raw.data = OmegaConf.create({"name": name} if name is not None else {})
+    drop_keys(raw, local)
     with tempfile.TemporaryDirectory() as tmp:
-        if data:  # the user's data replaces the checkpoint's whole data section; its name is the default
-            raw = OmegaConf.load(path)
-            name = OmegaConf.select(raw, "data.name", default=None)
-            raw.data = OmegaConf.create({"name": name} if name is not None else {})
-            recipe = str(Path(tmp) / "config.yaml")
-            OmegaConf.save(raw, recipe)
+        recipe = str(Path(tmp) / "config.yaml")
+        OmegaConf.save(raw, recipe)
         try:
             cfg = compose(recipe, ["resume=never", "launch.nproc=1", *data], pm.registries)
         except SubnetdpError as e:
             where = "with the data given" if data else "with the installed plugins"
             raise CheckpointError(f"{path}: no longer a valid config {where} ({e})") from None
-    if not data:
+    if not replaced:
         reason = pm.registries["data"].get(cfg.data.name).unsafe_to_open(cfg.data)
         if reason:
             raise CheckpointError(
@@ -100,6 +112,38 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
                 f"choose: subnetdp eval {ckpt} data.root=DIR (checksums verified), adding "
                 "data.verify_checksums=false only for files you trust")
     return cfg
+
+
+def _skeleton(ckpt: Path, manifest: dict[str, Any], adapter: ModelAdapter, cfg: Any,
+              spec: DataSpec) -> tuple[nn.Module, Partition]:
+    """The union model on ``meta`` and its partition, from the checkpoint's settings and data spec."""
+    try:
+        model = meta_model(adapter, spec)
+        return model, partition_model(adapter, model, cfg.masker, spec)
+    except SubnetdpError:
+        raise
+    except Exception as e:  # the settings are the checkpoint's data: a model they cannot build is its fault
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{ckpt}: its model settings and data spec {manifest['data_spec']} build no "
+                              f"{cfg.model.name} model ({type(e).__name__}: {first})") from None
+
+
+def _check_size(ckpt: Path, manifest: dict[str, Any], model: nn.Module) -> None:
+    """Every tensor of the union is read from the checkpoint's files, so they hold at least its bytes:
+    settings that describe a bigger model (a crafted data spec) are refused before it is allocated."""
+    need = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    held = 0
+    for name in manifest["files"]:  # plain names (read_manifest); links are not the checkpoint's bytes
+        try:
+            info = os.lstat(ckpt / name)
+        except OSError:
+            continue
+        held += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    if need > held:
+        for name in manifest["files"]:  # a missing or truncated file is named as such
+            ck.check_size(ckpt, name, manifest)
+        raise CheckpointError(f"{ckpt}: its config and {ck.MANIFEST} describe a model of {need:,} bytes, its files "
+                              f"hold {held:,}: they do not belong together (an edited data_spec or config.yaml)")
 
 
 def _plan(ckpt: Path, manifest: dict[str, Any], partition: Partition) -> MaskPlan:
@@ -151,9 +195,9 @@ def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence
     adapter = pm.registries["model"].get(cfg.model.name)(cfg.model)
     spec = DataSpec(**manifest["data_spec"])
     # Built once, on meta (structure only), then given storage: every tensor is read from the pieces.
-    model = meta_model(adapter, spec)
-    partition = partition_model(adapter, model, cfg.masker, spec)
+    model, partition = _skeleton(ckpt, manifest, adapter, cfg, spec)
     plan = _plan(ckpt, manifest, partition)
+    _check_size(ckpt, manifest, model)
     to_empty(model, "cpu")
     poison(model)
     fill_union(model, partition, plan, units.PieceReader(ckpt, manifest))
@@ -251,8 +295,11 @@ def load_reference(out: str | Path, pm: PluginManager | None = None) -> nn.Modul
 
 def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_path: Sequence[str] = (),
                               limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 16,
-                              device: str = "auto", offline: bool = False, pm: Any = None) -> tuple[Any, dict, Path]:
+                              device: str = "auto", offline: bool = False, pm: Any = None,
+                              data: Sequence[str] = ()) -> tuple[Any, dict, Path]:
     """lm-eval on a checkpoint's union model; the scores go into its run directory and TensorBoard.
+
+    ``data``: ``data.key=value`` overrides, as for :func:`evaluate_checkpoint` (the tokenizer is the data's).
 
     Everything that can be wrong (lm-eval missing, an unknown task, a task whose data needs a download,
     a model without a tokenizer) fails before the model is loaded.
@@ -267,7 +314,7 @@ def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_pa
     manager = task_manager(tasks, include_path)
     loaded_tasks = load_tasks(manager, tasks)  # task data is checked before the model is loaded
     pm = pm or PluginManager()
-    loaded = load_union(path, pm)
+    loaded = load_union(path, pm, data)
     tok = run_tokenizer(loaded, pm)
     if tok is None:
         raise SubnetdpError(f"data '{loaded.cfg.data.name}' does not say which tokenizer made its tokens "

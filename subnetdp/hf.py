@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.errors import SubnetdpError
@@ -77,14 +77,18 @@ def write_tokenizer(tok: Any, out: Path, max_length: int) -> list[str]:
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
-def export_hf(path: str | Path, out: str | Path, pm: PluginManager | None = None) -> tuple[Path, list[str]]:
-    """Write a checkpoint's union model as a Hugging Face model directory; returns it and its files."""
+def export_hf(path: str | Path, out: str | Path, pm: PluginManager | None = None,
+              data: Sequence[str] = ()) -> tuple[Path, list[str]]:
+    """Write a checkpoint's union model as a Hugging Face model directory; returns it and its files.
+
+    ``data``: ``data.key=value`` overrides, as for :func:`subnetdp.export.export` (the tokenizer is the data's).
+    """
     from safetensors.torch import save_file
 
     from subnetdp.export import load_union
 
     pm = pm or PluginManager()
-    loaded = load_union(path, pm)
+    loaded = load_union(path, pm, data)
     cfg, adapter = loaded.cfg, loaded.adapter
     options = loaded.manifest.get("reference")
     if not adapter.has_hf_export() or options is None:

@@ -97,7 +97,7 @@ class LaunchConfig:
 
 @dataclass
 class RunDirConfig:
-    dir: str = doc('where run directories go', "runs")
+    dir: str = doc('where run directories go', "runs", writes=True)
     name: str = doc("the run directory's name (empty: made on rank 0 with a timestamp)", "")
     tensorboard: bool = doc('write TensorBoard events', True)
 

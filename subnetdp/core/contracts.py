@@ -185,14 +185,35 @@ class LaunchEnv:
 _NO_DEFAULT: Any = dataclasses.MISSING
 
 
-def doc(text: str, default: Any = _NO_DEFAULT, *, factory: Any = _NO_DEFAULT) -> Any:
+WRITES = "writes"  # field metadata: the field chooses where (or whether) files are written
+
+
+def doc(text: str, default: Any = _NO_DEFAULT, *, factory: Any = _NO_DEFAULT, writes: bool = False) -> Any:
     """A config field with its one-line documentation (shown in the README's key table).
 
-    ``key: int = doc("what it means", 3)``; mutable defaults use ``factory=``.
+    ``key: int = doc("what it means", 3)``; mutable defaults use ``factory=``. ``writes=True``
+    declares that the field chooses where (or whether) files are written, e.g. a cache folder or a
+    download switch: ``subnetdp eval`` and ``subnetdp export`` never take such a value from a
+    checkpoint's stored config, but from their own invocation (the default, or ``data.KEY=...``
+    on their command line). A plugin without ``doc`` declares it with
+    ``dataclasses.field(default=..., metadata={"writes": True})``.
     """
+    meta = {"doc": text, **({WRITES: True} if writes else {})}
     if factory is not _NO_DEFAULT:
-        return field(default_factory=factory, metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def writing_keys(schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of ``schema``'s fields (nested config dataclasses included) declared with ``writes``."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            keys += writing_keys(nested, f"{prefix}{f.name}.")
+        elif f.metadata.get(WRITES):
+            keys.append(prefix + f.name)
+    return keys
 
 
 @dataclass

@@ -8,7 +8,8 @@ Each turns a problem that would otherwise surface as one traceback per rank into
 - :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA);
 - :func:`check_choices`: the keys added for stopping and final checkpoints hold valid choices.
 
-:func:`finished_run` tells ``resume=auto`` that the run already did all its steps.
+:func:`finished_run` tells ``resume=auto`` that the run already did all its steps; a ``summary.json``
+that is not what a run writes (checked against :data:`SUMMARY`) is refused in one line.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from subnetdp.core.errors import ConfigError
+from subnetdp.core import records
+from subnetdp.core.errors import CheckpointError, ConfigError
 
 FINAL_CHOICES = ("auto", "always", "never")
+
+#: What :func:`finished_run` reads of a run's ``summary.json`` (the rest is for people and tools).
+SUMMARY = records.Record({"steps": records.Int(0)},
+                         optional={"eval": records.Nullable(records.MapOf(records.Str(), records.Number()))})
 
 
 def check_choices(cfg: DictConfig) -> None:
@@ -80,12 +86,16 @@ def finished_run(cfg: DictConfig) -> str | None:
     if str(cfg.resume) != "auto" or not cfg.run.name:
         return None
     summary = Path(str(cfg.run.dir)) / str(cfg.run.name) / "summary.json"
+    fix = f"the run's summary is damaged: delete {summary} (resume=auto then continues from the newest checkpoint)"
     try:
-        done = json.loads(summary.read_text())
-    except (OSError, ValueError):
+        done = json.loads(summary.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return None
-    steps = int(cfg.train.steps)
-    if not isinstance(done, dict) or int(done.get("steps") or 0) < steps:
+    except (OSError, ValueError) as e:  # written atomically by the run: anything else is damage
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"{summary}: cannot be read as JSON ({first}): {fix}") from None
+    records.check(SUMMARY, done, summary, fix)
+    if done["steps"] < int(cfg.train.steps):
         return None
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in (done.get("eval") or {}).items())
     return (f"run {summary.parent} already finished its {done['steps']} steps ({summary}"

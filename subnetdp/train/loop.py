@@ -21,7 +21,7 @@ from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.core.runlock import RunLock, RunLockedError
-from subnetdp.train.checkpoints.resume import Checkpointer, seed_host_rngs
+from subnetdp.train.checkpoints.resume import Checkpointer, check_resume_source, seed_host_rngs
 from subnetdp.train.stopping import Interrupted, StopRequest, hold_for_test, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
@@ -86,6 +86,7 @@ def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool
     upfront.check_run_dir(cfg)
     data, *_, plan = build_plan(cfg, world_size, pm)
     upfront.check_batch_fits(cfg, data, world_size)
+    check_resume_source(cfg)
     return plan
 
 
@@ -103,6 +104,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> Run:
         require_compilable(comm.device, str(cfg.train.compile_backend))
 
     tasks = _downstream_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
+    check_resume_source(cfg)  # a damaged manifest fails here, on every rank
     comm.init()  # collective: the first point where every rank meets.
     check_ranks_agree(comm, plan, cfg, pm)
     run_dir = resolve_run_dir(cfg, comm)

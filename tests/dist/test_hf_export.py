@@ -64,10 +64,12 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("name", ["untied", "tied"])
 def test_transformers_loads_the_export_and_computes_the_union_logits(runs, name, capsys, caplog):
     out = runs / f"hf-{name}"
-    assert main(["export", str(runs / "runs" / name), str(out), "--format", "hf"]) == 0
+    # The corpus (and its tokenizer) where the runs built it: export never takes data.cache_dir from a checkpoint.
+    cache = f"data.cache_dir={runs / 'data'}"
+    assert main(["export", str(runs / "runs" / name), str(out), cache, "--format", "hf"]) == 0
     assert "AutoModelForCausalLM.from_pretrained" in capsys.readouterr().out
 
-    loaded = load_union(runs / "runs" / name, plugin_manager())
+    loaded = load_union(runs / "runs" / name, plugin_manager(), [cache])
     union, args = loaded.model.eval(), loaded.model.args
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"

@@ -100,8 +100,9 @@ def test_lm_eval_on_a_local_task_scores_what_the_log_likelihoods_say(run_dir, ca
     during = {s: json.loads((run_path / "lm_eval" / f"step_{s:08d}.json").read_text()) for s in (2, 3)}
     logged = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "lm_eval/tiny_python_quiz/acc" in r] == [2, 3]
-    code = main(["eval", str(run_path), "--tasks", "tiny_python_quiz", "--include-path", str(tasks),
-                 "--offline", "--device", "cpu", "--batch-size", "8"])
+    # The corpus (and its tokenizer) where the run built it: eval never takes data.cache_dir from a checkpoint.
+    code = main(["eval", str(run_path), f"data.cache_dir={run_path.parents[1] / 'data'}", "--tasks", "tiny_python_quiz",
+                 "--include-path", str(tasks), "--offline", "--device", "cpu", "--batch-size", "8"])
     out = capsys.readouterr().out
     assert code == 0
     print(out)  # lm-eval's own table, shown with -s

@@ -141,3 +141,193 @@ def test_a_recipe_that_is_not_one_shows_its_first_lines_only(tmp_path, capsys):
         assert err.count("\n") == 1 and "secret-3" not in err and len(err) < 600, err
     assert cli.main(["plan", str(secret), "-n", "2", "--no-estimate"]) == 2
     assert "user0:x:0:0:secret-0" in capsys.readouterr().err  # the opening is shown, so the user sees what it is
+
+
+# --------------------------------------------------------------------------- a checkpoint's files are data
+
+
+@pytest.fixture(scope="module")
+def lm_source(tmp_path_factory) -> Path:
+    """A real language-model run (tokens built from the standard library into its own cache) whose
+    config used an interpolation: the checkpoint stores it resolved."""
+    root = tmp_path_factory.mktemp("hostile-lm")
+    cfg = small_config(*BASE, "run.name=lm", "train.steps=1", "train.batch_size=4", "eval.batches=1",
+                       "data.stdlib_max_mb=0.5", "data.seq_len=32", f"data.cache_dir={root / 'train-cache'}",
+                       "eval.batch_size=${train.batch_size}", "checkpoint.final=always", recipe="llama_tiny_stdlib",
+                       run_dir=root)
+    train(cfg, ONE, plugin_manager())
+    return ck.latest_checkpoint(root / "lm")
+
+
+def _copy(ckpt: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt" / ckpt.name
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def _rehash(ckpt: Path, name: str) -> None:
+    manifest = json.loads((ckpt / ck.MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": ck.sha256_file(ckpt / name)}
+    (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("subnetdp: error: "), err
+    return err
+
+
+def test_eval_and_export_write_only_where_their_invocation_says(lm_source, tmp_path, monkeypatch, capsys):
+    """The checkpoint's data.cache_dir (crafted, or an honest absolute path from another machine) and
+    data.download are never used: the default, resolved in the working directory, or data.KEY given."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    honest = _copy(lm_source, tmp_path)
+    assert OmegaConf.load(honest / "config.yaml").data.cache_dir == str(lm_source.parents[2] / "train-cache")
+    shutil.rmtree(lm_source.parents[2] / "train-cache")  # as on another machine: that path means nothing here
+    assert cli.main(["eval", str(honest)]) == 0
+    assert not (lm_source.parents[2] / "train-cache").exists()
+    assert any((cwd / "runs" / "data").rglob("*train*.bin"))  # the default, under the working directory
+    crafted = tmp_path / "crafted"
+    shutil.copytree(honest, crafted)
+    cfg = OmegaConf.load(crafted / "config.yaml")
+    cfg.data.cache_dir = str(tmp_path / "elsewhere")
+    (crafted / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    _rehash(crafted, "config.yaml")
+    mine = tmp_path / "mine"
+    assert cli.main(["eval", str(crafted), f"data.cache_dir={mine}"]) == 0  # the checkpoint's other data keys kept
+    assert cli.main(["export", str(crafted), str(tmp_path / "hf"), f"data.cache_dir={tmp_path / 'mine-hf'}",
+                     "--format", "hf"]) == 0
+    assert any(mine.rglob("*train*.bin")) and any((tmp_path / "mine-hf").rglob("*train*.bin"))
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert not (tmp_path / "elsewhere").exists()
+    capsys.readouterr()
+
+
+def test_a_checkpoint_cannot_ask_for_a_download(source, tmp_path, capsys):
+    ckpt = _copy(ck.step_dir(source, 2), tmp_path)
+    _craft(ckpt, {"name": "cifar10", "root": str(tmp_path / "dl"), "download": True})
+    assert "CIFAR-10 not found" in _one_line_error(capsys, ["eval", str(ckpt)])
+    assert not (tmp_path / "dl").exists()  # data.download is this invocation's (false), not the checkpoint's
+
+
+def _manifest(tmp_path: Path, source: Path, change) -> Path:
+    """A copy of a real checkpoint's manifest, changed by ``change(manifest)``, in a folder of its own."""
+    ckpt = tmp_path / "m" / "step_00000002"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((ck.step_dir(source, 2) / ck.MANIFEST).read_text())
+    change(manifest)
+    (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+    return ckpt
+
+
+def test_a_manifest_names_only_files_inside_the_checkpoint(source, tmp_path, capsys):
+    ckpt = _copy(ck.step_dir(source, 2), tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(str(ckpt / "pieces_0.safetensors"), outside / "p0.safetensors")
+    manifest = json.loads((ckpt / ck.MANIFEST).read_text())
+    name = "../../outside/p0.safetensors"
+    manifest["files"][name] = manifest["files"].pop("pieces_0.safetensors")
+    for entry in manifest["pieces"].values():
+        entry["file"] = name
+    (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+    for argv in (["eval", str(ckpt)], ["export", str(ckpt), str(tmp_path / "out")]):
+        err = _one_line_error(capsys, argv)
+        assert f"{ckpt / ck.MANIFEST}: files has the key {name!r}" in err and "plain file name" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+BAD_NAMES = ["../x", "/etc/passwd", "a/b", "a\\b", ".", "..", "x\0y", ""]
+NAME_FIELDS = {  # where a manifest carries a file name -> how to put one there
+    "files": lambda m, bad: m["files"].update({bad: m["files"]["plan.json"]}),
+    "pieces['fc.weight'].file": lambda m, bad: m["pieces"]["fc.weight"].update(file=bad),
+    "pieces['fc.weight'].copies['0']": lambda m, bad: m["pieces"]["fc.weight"].update(copies={"0": bad}),
+}
+
+
+@pytest.mark.parametrize("where", list(NAME_FIELDS))
+def test_every_file_name_in_a_manifest_is_a_plain_name(where, source, tmp_path):
+    for bad in BAD_NAMES:
+        ckpt = _manifest(tmp_path, source, lambda m: NAME_FIELDS[where](m, bad))
+        with pytest.raises(CheckpointError) as e:
+            ck.read_manifest(ckpt)
+        msg = str(e.value)
+        assert msg.startswith(f"{ckpt / ck.MANIFEST}: {where}") and repr(bad) in msg and "\n" not in msg, msg
+    with pytest.raises(CheckpointError, match="names the file '../x'"):  # and whoever builds a manifest by hand
+        ck.verify_file(ckpt, "../x", {"files": {"../x": {"bytes": 0, "sha256": ""}}})
+
+
+def test_a_stored_config_is_never_resolved(source, lm_source, tmp_path, monkeypatch):
+    text = (lm_source / "config.yaml").read_text()
+    assert "${" not in text and OmegaConf.create(text).eval.batch_size == 4  # the run stored it resolved
+    monkeypatch.setenv("SUBNETDP_TEST_SECRET", "7")
+    honest = (ck.step_dir(source, 2) / "config.yaml").read_text()
+    for key, line, crafted in (("seed", "seed: 0", "seed: ${oc.env:SUBNETDP_TEST_SECRET}"),
+                               ("data.root", "  root: ''", "  root: /x/${run.dir}"),
+                               ("optim.betas[1]", "  - 0.999", "  - '${seed}'")):
+        ckpt = _copy(ck.step_dir(source, 2), tmp_path / key)
+        assert line in honest
+        (ckpt / "config.yaml").write_text(honest.replace(line, crafted, 1))
+        _rehash(ckpt, "config.yaml")
+        with pytest.raises(CheckpointError) as e:
+            from subnetdp.export import load_union
+            load_union(ckpt, plugin_manager())
+        msg = str(e.value)
+        assert msg.startswith(f"{ckpt / 'config.yaml'}: {key} holds the interpolation") and "\n" not in msg, msg
+
+
+DAMAGED_MANIFESTS = {  # change -> what the message names
+    "pieces-list": (lambda m: m.update(pieces=[]), "pieces is [] (a list), expected a mapping"),
+    "files-str": (lambda m: m.update(files="x"), "files is 'x' (a string), expected a mapping"),
+    "data_spec-extra": (lambda m: m["data_spec"].update(evil=1), "data_spec has the field 'evil'"),
+    "step-str": (lambda m: m.update(step="2"), "step is '2' (a string), expected an integer >= 0"),
+    "world_size-0": (lambda m: m.update(world_size=0), "world_size is 0 (an integer), expected an integer >= 1"),
+    "bytes-str": (lambda m: m["files"]["plan.json"].update(bytes="1"), "files['plan.json'].bytes is '1'"),
+    "sha-missing": (lambda m: m["files"]["plan.json"].pop("sha256"), "lacks the field files['plan.json'].sha256"),
+    "shape-neg": (lambda m: m["pieces"]["fc.weight"].update(shape=[-1]), "pieces['fc.weight'].shape[0] is -1"),
+    "model-list": (lambda m: m.update(model=[1]), "model is [1] (a list)"),
+    "run_id-missing": (lambda m: m.pop("run_id"), "lacks the field run_id"),
+    "top-list": (lambda m: m.clear() or m.update(format="subnetdp-checkpoint/2"), "lacks the field run_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_MANIFESTS))
+def test_a_damaged_manifest_is_one_line_naming_the_field(case, source, tmp_path):
+    change, expected = DAMAGED_MANIFESTS[case]
+    ckpt = _manifest(tmp_path, source, change)
+    with pytest.raises(CheckpointError) as e:
+        ck.read_manifest(ckpt)
+    msg = str(e.value)
+    assert msg.startswith(f"{ckpt / ck.MANIFEST}: ") and expected in msg and "\n" not in msg, msg
+
+
+def test_a_damaged_manifest_stops_a_resume_before_any_worker(source, tmp_path):
+    ckpt = _copy(ck.step_dir(source, 2), tmp_path)
+    manifest = json.loads((ckpt / ck.MANIFEST).read_text())
+    (ckpt / ck.MANIFEST).write_text(json.dumps({**manifest, "pieces": []}))
+    from subnetdp.train.loop import preflight
+    cfg = small_config("run.name=r", f"resume={ckpt}", run_dir=tmp_path)
+    with pytest.raises(CheckpointError, match=r"MANIFEST.json: pieces is \[\]"):
+        preflight(cfg, 2, plugin_manager())  # what the launcher runs before it starts any worker
+
+
+@pytest.mark.parametrize("summary, expected", [
+    ('{"steps": "abc"}', "steps is 'abc' (a string), expected an integer >= 0"),
+    ('{"steps": [1]}', "steps is [1] (a list), expected an integer >= 0"),
+    ('{"steps": 2, "eval": {"accuracy": "x"}}', "eval['accuracy'] is 'x' (a string), expected a number"),
+    ('{"steps": 2, "eval": [1]}', "eval is [1] (a list), expected null or a mapping"),
+    ('{"eval": {}}', "lacks the field steps"),
+    ("[]", "the file is [] (a list), expected a mapping with steps"),
+    ('{"steps": 2', "cannot be read as JSON"),
+])
+def test_a_damaged_summary_stops_resume_auto_in_one_line(summary, expected, tmp_path, capsys):
+    run = tmp_path / "s"
+    run.mkdir()
+    (run / "summary.json").write_text(summary)
+    err = _one_line_error(capsys, ["train", "resnet18_digits", f"run.dir={tmp_path}", "run.name=s", "resume=auto",
+                                   "train.steps=2", "comm.name=local"])
+    assert f"{run / 'summary.json'}: {expected}" in err and "delete" in err, err
+    assert [p.name for p in run.iterdir()] == ["summary.json"]  # nothing started

@@ -135,6 +135,17 @@ def test_missing_or_empty_directory_says_how_to_prepare_data(tmp_path):
         _data(tmp_path / "nometa").spec()
 
 
+def test_meta_json_names_only_a_tokenizer_beside_it(tmp_path):
+    (tmp_path / "secret.json").write_text("{}")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("../secret.json", str(tmp_path / "secret.json"), ".."):
+        (shards / "meta.json").write_text(json.dumps({"vocab_size": 300, "tokenizer": "bpe", "tokenizer_file": name}))
+        with pytest.raises(ConfigError) as e:
+            _data(shards).tokenizer()
+        assert str(e.value).startswith("data.root=") and repr(name) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_loader_packs_shards_by_rank_deterministically_and_resumes(tmp_path):
     root = tmp_path / "d"
     root.mkdir()

@@ -19,7 +19,7 @@ import numpy as np
 from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
-from subnetdp.core.contracts import DataModule, DataSpec
+from subnetdp.core.contracts import DataModule, DataSpec, doc
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.data._vision import (SeededTransform, ShardedImageLoader, Transformed, VisionDataConfig,
@@ -29,7 +29,8 @@ from subnetdp.plugins.data._vision import (SeededTransform, ShardedImageLoader, 
 @dataclass
 class CifarConfig(VisionDataConfig):
     image_size: int = 32
-    download: bool = False
+    download: bool = doc("fetch the archive into data.root first (eval and export take their own, never a "
+                         "checkpoint's)", False, writes=True)
     verify_checksums: bool = True
 
 

@@ -27,9 +27,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader
+from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader, doc
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.core.records import plain_name_problem
 from subnetdp.plugins.data.token_shards import PLAIN_DTYPES, open_shard
 
 PREPARE_HINT = ("prepare shards with `subnetdp prepare-text FILES_OR_DIRS --out DIR` (or `--fineweb N`), "
@@ -47,7 +48,8 @@ class TokensConfig(DataConfig):
     val_pattern: str = "*val*.bin"
     shuffle: bool = True
     # Only for root=stdlib: where the corpus is built, and how.
-    cache_dir: str = "runs/data"
+    cache_dir: str = doc("root=stdlib only: where the corpus is built (eval and export take their own, never a "
+                         "checkpoint's)", "runs/data", writes=True)
     tokenizer: str = "bytes"  # bytes | bpe
     bpe_vocab_size: int = 4096
     stdlib_max_mb: float = 4.0
@@ -222,7 +224,12 @@ class TokensData(DataModule):
         if kind == "bytes":
             return make_tokenizer("bytes")
         if kind == "bpe" and self._meta.get("tokenizer_file"):
-            path = root / str(self._meta["tokenizer_file"])
+            name = self._meta["tokenizer_file"]
+            problem = plain_name_problem(name)
+            if problem:  # meta.json is data: it names a file beside it, never one elsewhere
+                raise ConfigError("data.root", str(self.cfg.root), f"{root / 'meta.json'} names the tokenizer file "
+                                  f"{name!r}, which {problem}", "name a file in the shards' folder")
+            path = root / name
             if not path.is_file():
                 raise ConfigError("data.root", str(self.cfg.root), f"meta.json names {path}, which is missing",
                                   "copy the tokenizer file beside the shards, or prepare them again")

@@ -39,7 +39,9 @@ from typing import Any, Callable
 
 import torch
 
+from subnetdp.core import records
 from subnetdp.core.errors import CheckpointError
+from subnetdp.train.checkpoints import schema
 
 FORMAT = "subnetdp-checkpoint/2"
 FORMAT_1 = "subnetdp-checkpoint/1"  # per-rank copies of every held tensor: refused, see read_manifest
@@ -241,6 +243,7 @@ def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's manifest, checked against :data:`~subnetdp.train.checkpoints.schema.MANIFEST`."""
     path = Path(ckpt) / MANIFEST
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -256,9 +259,8 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r}: not a subnetdp checkpoint")
-    for key in ("run_id", "step", "world_size", "plan_digest", "files", "model", "data_spec", "pieces"):
-        if key not in manifest:
-            raise CheckpointError(f"{path}: lacks the field {key!r}: the manifest is corrupted")
+    # Every field a reader uses, typed, and every file name plain, before any other file is read.
+    records.check(schema.MANIFEST, manifest, path, "the manifest is damaged or was not written by subnetdp")
     return manifest
 
 
@@ -275,6 +277,23 @@ def _safetensors_identity(path: Path) -> dict[str, str] | None:
 
 def verify_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> Path:
     """Check that ``name`` exists with the size and checksum the manifest records."""
+    path = check_size(ckpt, name, manifest)
+    entry = manifest["files"][name]
+    if sha256_file(path) != entry["sha256"]:
+        meta = _safetensors_identity(path) if name.endswith(".safetensors") else None
+        if meta and (meta.get("run_id") != manifest["run_id"] or meta.get("step") != str(manifest["step"])):
+            raise CheckpointError(f"{path}: belongs to run {meta.get('run_id')} step {meta.get('step')}, not to this "
+                                  f"checkpoint (run {manifest['run_id']} step {manifest['step']}): a shard from another run")
+        raise CheckpointError(f"{path}: corrupted: its sha256 differs from the one in {MANIFEST}")
+    return path
+
+
+def check_size(ckpt: Path, name: str, manifest: dict[str, Any]) -> Path:
+    """Check that ``name`` is a plain file of the checkpoint with the size the manifest records."""
+    problem = records.plain_name_problem(name)
+    if problem:  # read_manifest refuses such names; this guards every other caller too
+        raise CheckpointError(f"{Path(ckpt) / MANIFEST}: names the file {name!r}, which {problem}: a checkpoint's "
+                              "files are read from its own directory only")
     path = Path(ckpt) / name
     entry = manifest["files"].get(name)
     if entry is None:
@@ -290,12 +309,6 @@ def verify_file(ckpt: Path, name: str, manifest: dict[str, Any]) -> Path:
     if size != entry["bytes"]:
         kind = "truncated" if size < entry["bytes"] else "longer than written"
         raise CheckpointError(f"{path}: {kind}: {size} bytes, the manifest records {entry['bytes']}")
-    if sha256_file(path) != entry["sha256"]:
-        meta = _safetensors_identity(path) if name.endswith(".safetensors") else None
-        if meta and (meta.get("run_id") != manifest["run_id"] or meta.get("step") != str(manifest["step"])):
-            raise CheckpointError(f"{path}: belongs to run {meta.get('run_id')} step {meta.get('step')}, not to this "
-                                  f"checkpoint (run {manifest['run_id']} step {manifest['step']}): a shard from another run")
-        raise CheckpointError(f"{path}: corrupted: its sha256 differs from the one in {MANIFEST}")
     return path
 
 

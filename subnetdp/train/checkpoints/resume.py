@@ -330,6 +330,25 @@ class Checkpointer:
                                   "resume with masker.resample_every=0 to re-plan from this checkpoint")
 
 
+def check_resume_source(cfg: Any) -> None:
+    """Read and check the manifest of the checkpoint ``resume`` would load, if any.
+
+    Runs before any process group exists (in the launching process and on every rank before it
+    meets the others), so a damaged or crafted manifest stops the job in one line there, not after
+    the world has assembled. Rank 0 still chooses the checkpoint inside the job
+    (:meth:`Checkpointer.start`); this only reads what it would find.
+    """
+    resume = str(cfg.resume)
+    if resume == "never":
+        return
+    if resume == "auto":
+        path = ck.latest_checkpoint(Path(str(cfg.run.dir)) / str(cfg.run.name)) if cfg.run.name else None
+    else:
+        path = ck.resolve_checkpoint(Path(resume))
+    if path is not None:
+        ck.read_manifest(path)
+
+
 def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
     """The checkpoint's ``plan.json``, checked against the manifest."""
     f = ck.verify_file(path, "plan.json", manifest)
