@@ -540,7 +540,7 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
 
 
 def _check_added_keys(cfg: DictConfig) -> None:
-    from subnetdp.core.upfront import check_choices
+    from subnetdp.train.upfront import check_choices
 
     check_choices(cfg)
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from subnetdp.core.plan import MaskPlan
-    from subnetdp.core.runlock import RunLock
+    from subnetdp.train.runlock import RunLock
 
 
 # --------------------------------------------------------------------------- data types
@@ -275,7 +275,7 @@ class ModelConfig(PluginConfig):
     """Keys every model adapter shares (``model.*``).
 
     ``stochastic_depth`` and ``hidden_dropout`` are drop probabilities (keep rate ``1 - p``) of the
-    residual branches and hidden channels that SDP masks (:mod:`subnetdp.core.branches`); 0 = off.
+    residual branches and hidden channels that SDP masks (:mod:`subnetdp.sdp.branches`); 0 = off.
     Adapters list the ones they support in ``ModelAdapter.regularizers``.
     """
 
@@ -497,7 +497,7 @@ class ModelAdapter(Plugin, abc.ABC):
 
     def hidden_sites(self, model: "nn.Module") -> list[Any]:
         """Where the hidden channels of every neuron-level group can be reached
-        (:class:`subnetdp.core.branches.HiddenSite`), for ``model.hidden_dropout``."""
+        (:class:`subnetdp.sdp.branches.HiddenSite`), for ``model.hidden_dropout``."""
         return []
 
     def regularize(self, model: "nn.Module") -> "nn.Module":
@@ -505,7 +505,7 @@ class ModelAdapter(Plugin, abc.ABC):
         model (nothing when both are 0); adapters call it at the end of :meth:`build`."""
         sd, hd = float(self.cfg.stochastic_depth), float(self.cfg.hidden_dropout)
         if sd > 0.0 or hd > 0.0:
-            from subnetdp.core.branches import attach_regularizers
+            from subnetdp.sdp.branches import attach_regularizers
 
             attach_regularizers(model, self.residual_branches(model) if sd > 0.0 else {},
                                 self.hidden_sites(model) if hd > 0.0 else [], sd, hd)

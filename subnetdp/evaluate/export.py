@@ -5,8 +5,8 @@ Everything here runs in one process, without a process group::
     subnetdp eval RUN_DIR|CHECKPOINT        # metrics of the union model (newest checkpoint of a run)
     subnetdp export CHECKPOINT OUT          # OUT/model.safetensors + OUT/reference.json
 
-    import subnetdp.export
-    model = subnetdp.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
+    import subnetdp.evaluate.export
+    model = subnetdp.evaluate.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
 
 The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run, one
 piece at a time from the files the manifest's index names (:func:`fill_union`): every parameter
@@ -40,7 +40,7 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.construct import meta_model, poison, poisoned, to_empty
 from subnetdp.sdp.variants import partition_model
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.branches import fold_branch_scales
+from subnetdp.sdp.branches import fold_branch_scales
 from subnetdp.sdp.union import evaluate, recalibrate_batchnorm, union_branch_scales
 
 EXPORT_FORMAT = "subnetdp-export/1"
@@ -221,7 +221,7 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
     info = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "options": options,
             "checkpoint": str(loaded.path), "run_id": loaded.manifest["run_id"], "step": loaded.manifest["step"],
             "bn_recalibrated_batches": n_cal, "branch_scales_folded": loaded.branch_scales,
-            "rebuild": "subnetdp.export.load_reference(OUT), or the plugin's reference_model(options) "
+            "rebuild": "subnetdp.evaluate.export.load_reference(OUT), or the plugin's reference_model(options) "
                        "then load_state_dict(safetensors.torch.load_file(OUT/model.safetensors))"}
     ck.write_text_atomic(out / "reference.json", json.dumps(info, indent=2))
     return out
@@ -257,7 +257,7 @@ def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_pa
     Everything that can be wrong (lm-eval missing, an unknown task, a task whose data needs a download,
     a model without a tokenizer) fails before the model is loaded.
     """
-    from subnetdp.hf import run_tokenizer
+    from subnetdp.evaluate.hf import run_tokenizer
     from subnetdp.train.downstream import (load_tasks, make_lm, require_lm_eval, resolve_device, run_tasks,
                                            set_offline, task_manager, write_results)
 

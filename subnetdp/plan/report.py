@@ -2,7 +2,7 @@
 
 The report holds the ranks x units ownership table, owner counts, the connectivity and spectral gap
 of the averaging graph, and per rank: parameters held, compute cost, and the peak memory and bytes
-per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.train.dryrun`).
+per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.plan.dryrun`).
 
 Only the data's shape is needed (:meth:`~subnetdp.core.contracts.DataModule.planning_spec`: from
 the dataset when it is on disk, from the config otherwise; the report says which). The full model
@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from subnetdp.core.contracts import DataModule, DataSpec, ModelAdapter, Partition
-from subnetdp.train.dryrun import estimate_rank, fake_module
+from subnetdp.plan.dryrun import estimate_rank, fake_module
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import uses_dense_sync
 
@@ -70,7 +70,7 @@ def shape_key(partition: Partition, plan: MaskPlan, rank: int, shard: int = 1) -
 def estimator_for(cfg: DictConfig) -> Any:
     """The dry run of one rank: unsharded, or FSDP2 over torch's fake process group."""
     if int(cfg.fsdp.shard_size) > 1:
-        from subnetdp.train.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
+        from subnetdp.plan.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
 
         return estimate_sharded_rank
     return estimate_rank

@@ -21,7 +21,7 @@ from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, ModelAd
                                      TensorSlice)
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.sdp.variants import is_backward
-from subnetdp.core.branches import regularizers_off
+from subnetdp.sdp.branches import regularizers_off
 from subnetdp.core.plan import MaskPlan
 
 
@@ -243,7 +243,7 @@ class StreamedUnion:
     level; the layer's module at neuron level) allocates its unit tensors and broadcasts every piece
     from ``min(owners)``, and a forward hook frees them after the module has run. Branch scales
     (``eval.block_union=rescaled``) are folded into the fetched weights, exactly as
-    :func:`~subnetdp.core.branches.fold_branch_scales` folds them into an assembled union.
+    :func:`~subnetdp.sdp.branches.fold_branch_scales` folds them into an assembled union.
 
     Every rank must run the same forwards in the same order (each module's pre-hook is a collective):
     :func:`evaluate_union` has every rank evaluate the same batches. Use as a context manager; the

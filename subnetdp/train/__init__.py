@@ -5,6 +5,6 @@
 - :mod:`~subnetdp.train.loop`: set-up (the composition root: launcher env, plugins, parallelize) and
   the loop, top to bottom.
 - :mod:`~subnetdp.train.checkpoints`: files, save/restore and resume.
-- :mod:`~subnetdp.train.dryrun`, :mod:`~subnetdp.train.dryrun_fsdp`, :mod:`~subnetdp.train.planreport`:
+- :mod:`~subnetdp.plan.dryrun`, :mod:`~subnetdp.plan.dryrun_fsdp`, :mod:`~subnetdp.plan.report`:
   ``subnetdp plan``'s estimates, the same step under FakeTensorMode.
 """

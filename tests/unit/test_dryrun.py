@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from subnetdp.train.dryrun import fake_module
-from subnetdp.train.planreport import plan_report
+from subnetdp.plan.dryrun import fake_module
+from subnetdp.plan.report import plan_report
 from tests.helpers import plugin_manager, small_config
 
 

@@ -121,7 +121,7 @@ def test_links_in_the_checkpoint_tree_are_never_followed(source, tmp_path):
     (tmp_path / "linked" / "plan.json").unlink()
     (tmp_path / "linked" / "plan.json").symlink_to(ck.step_dir(other, 2) / "plan.json")
     with pytest.raises(CheckpointError, match="symbolic link"):
-        from subnetdp.export import load_union
+        from subnetdp.evaluate.export import load_union
         load_union(tmp_path / "linked", plugin_manager())
     (tmp_path / "linked2").mkdir()
     (tmp_path / "linked2" / "checkpoints").symlink_to(ck.checkpoints_dir(other))

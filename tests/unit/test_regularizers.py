@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from subnetdp.core.branches import DropChannels, DropPath, fold_branch_scales
+from subnetdp.sdp.branches import DropChannels, DropPath, fold_branch_scales
 from subnetdp.core.contracts import DataSpec
 from subnetdp.core.errors import ConfigError
 from tests.helpers import plugin_manager, small_config

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subnetdp.core.branches import HiddenSite
+from subnetdp.sdp.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
-from subnetdp.core.branches import HiddenSite
+from subnetdp.sdp.branches import HiddenSite
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
