@@ -27,6 +27,7 @@ from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import train_step
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.variants import is_backward, local_model
 
 
@@ -98,7 +99,7 @@ def fake_rank_model(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: 
     from subnetdp.parallel.checkpointing import apply_ac  # no process group involved
 
     with torch.device("meta"):
-        model, pmap = local_model(adapter, adapter.build(spec), plan.owned[rank], partition, cfg.masker)
+        model, pmap = local_model(adapter, build_model(adapter, spec), plan.owned[rank], partition, cfg.masker)
     fake_module(model, fake)
     model.train()
     return model, pmap, apply_ac(adapter.blocks(model), int(cfg.train.activation_checkpointing))

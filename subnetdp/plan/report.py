@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from subnetdp.core.contracts import DataModule, DataSpec, ModelAdapter, Partition
 from subnetdp.plan.dryrun import estimate_rank, fake_module
 from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.sync import uses_dense_sync
 
 SHOWN_RANKS = 32  # the text report lists every rank up to this many, then one line per distinct shape
@@ -45,7 +46,7 @@ def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, D
     masker = regs["masker"].create(cfg.masker.name, cfg.masker)
     replicas = config_mod.check_world(cfg, world_size)
     with torch.device("meta"):  # initialisers run as no-ops; nothing is allocated
-        full = adapter.build(spec)
+        full = build_model(adapter, spec)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     fake_module(full, fake)  # unit costs are measured by running blocks on fake tensors
     with fake:

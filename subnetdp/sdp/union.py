@@ -265,8 +265,9 @@ class StreamedUnion:
         self.device = comm.device
         self.index = LocalIndex(model, pmap)
         self.fetched_bytes = self.resident_bytes = 0
-        with torch.device("meta"):
-            self.module = adapter.build(spec)
+        from subnetdp.sdp.construct import meta_model
+
+        self.module = meta_model(adapter, spec)
         scaled = {id(m): float(s) for name, s in (scales or {}).items()
                   for m in adapter.branch_output_layers(self.module).get(name, []) if float(s) != 1.0}
         self._slots = self._plan_slots(plan, scaled)
