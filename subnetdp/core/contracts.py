@@ -444,6 +444,46 @@ class Communicator(Plugin, abc.ABC):
         """Destroy the process groups."""
 
 
+class NullCommunicator(Communicator):
+    """Collectives that move nothing and return at once, on the CPU, with no process group.
+
+    The communicator ``local`` is one (world size 1: every collective is the identity, so a
+    single-process run takes the distributed path). The plan's dry runs use one as rank ``r`` of W
+    in a single process, with ``counts_bytes`` on: each collective then records the payload a real
+    backend would have been handed, and the estimate of bytes per step comes from the same calls.
+    """
+
+    #: Record each collective's payload in ``bytes`` (off for ``local``, whose runs send nothing).
+    counts_bytes: ClassVar[bool] = False
+
+    @property
+    def device(self) -> "torch.device":
+        import torch  # core does not import torch at load
+
+        return torch.device("cpu")
+
+    def init(self) -> None:
+        return None
+
+    def new_group(self, ranks: Sequence[int]) -> None:
+        return None
+
+    def all_reduce(self, tensor: "torch.Tensor", group: Sequence[int], async_op: bool = False) -> Handle:
+        if self.counts_bytes:
+            self.bytes.add(tuple(group), tensor.numel() * tensor.element_size())
+        return DoneHandle()
+
+    def broadcast(self, tensor: "torch.Tensor", src: int, group: Sequence[int] | None = None) -> None:
+        if self.counts_bytes:
+            self.bytes.add(self.world if group is None else tuple(group), tensor.numel() * tensor.element_size())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj] * self.world_size
+
+    def barrier(self) -> None:
+        return None
+
+
 class ModelAdapter(Plugin, abc.ABC):
     """Knows one model family: how to build it, cut it into units and materialise subnetworks."""
 

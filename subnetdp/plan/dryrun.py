@@ -9,7 +9,7 @@ shape and no storage, by the loop's own :func:`~subnetdp.train.step.train_step`.
 runs inside :class:`~subnetdp.parallel.memory.TensorMemoryTracker`, the same tracker and the same
 baseline (parameters, buffers, gradients, gradient buckets, optimizer state) the training loop uses
 on a CPU, so the estimate is the step the loop measures. Collectives
-go to :class:`~subnetdp.parallel.dryrun_comm.DryRunCommunicator`, which does nothing but count the payload.
+go to :class:`DryRunCommunicator`, which does nothing but count the payload.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from subnetdp.core.contracts import Communicator, DataSpec, ModelAdapter, ParamMap, Partition
-from subnetdp.parallel.dryrun_comm import DryRunCommunicator
+from subnetdp.core.contracts import Communicator, DataSpec, LaunchEnv, ModelAdapter, NullCommunicator, ParamMap, Partition
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import train_step
@@ -29,6 +28,16 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.variants import is_backward, local_model
+
+
+class DryRunCommunicator(NullCommunicator):
+    """Rank ``rank`` of ``world_size`` in this one process, with no process group: the ``local``
+    communicator's do-nothing collectives, counting the payload each is handed."""
+
+    counts_bytes = True
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(None, LaunchEnv(rank, world_size, rank, world_size, "dry-run"))
 
 
 def fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
