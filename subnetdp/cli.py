@@ -196,7 +196,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _eval_tasks(ns: argparse.Namespace) -> int:
-    from subnetdp.evaluate.export import evaluate_checkpoint_tasks
+    from subnetdp.evaluate.tasks import evaluate_checkpoint_tasks
     from subnetdp.train.downstream import scalars, table
 
     tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]

@@ -247,35 +247,3 @@ def load_reference(out: str | Path, pm: PluginManager | None = None) -> nn.Modul
         raise SubnetdpError(f"{out / 'model.safetensors'}: not a readable safetensors file ({e})") from None
     model.load_state_dict(state)
     return model.eval()
-
-
-def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_path: Sequence[str] = (),
-                              limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 16,
-                              device: str = "auto", offline: bool = False, pm: Any = None) -> tuple[Any, dict, Path]:
-    """lm-eval on a checkpoint's union model; the scores go into its run directory and TensorBoard.
-
-    Everything that can be wrong (lm-eval missing, an unknown task, a task whose data needs a download,
-    a model without a tokenizer) fails before the model is loaded.
-    """
-    from subnetdp.evaluate.hf import run_tokenizer
-    from subnetdp.train.downstream import (load_tasks, make_lm, require_lm_eval, resolve_device, run_tasks,
-                                           set_offline, task_manager, write_results)
-
-    set_offline(offline)
-    require_lm_eval()
-    dev = resolve_device(device)
-    manager = task_manager(tasks, include_path)
-    loaded_tasks = load_tasks(manager, tasks)  # task data is checked before the model is loaded
-    pm = pm or PluginManager()
-    loaded = load_union(path, pm)
-    tok = run_tokenizer(loaded, pm)
-    if tok is None:
-        raise SubnetdpError(f"data '{loaded.cfg.data.name}' does not say which tokenizer made its tokens "
-                            "(DataModule.tokenizer()): lm-eval needs one to turn text into tokens")
-    model = loaded.model.to(dev).eval()
-    lm = make_lm(model, tok, dev, int(loaded.spec.seq_len) or 2048, batch_size)
-    results = run_tasks(lm, loaded_tasks, limit, num_fewshot, seed=int(loaded.cfg.seed))
-    ckpt = ck.resolve_checkpoint(Path(path))
-    step = int(loaded.manifest["step"])
-    written = write_results(ckpt.parent.parent, step, results)
-    return loaded, results, written
