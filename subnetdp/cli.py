@@ -176,7 +176,7 @@ def cmd_recipes(ns: argparse.Namespace) -> int:
 
 
 def cmd_prepare_text(ns: argparse.Namespace) -> int:
-    from subnetdp.plugins.data.corpus import prepare_text_command
+    from subnetdp.tools.prepare_text import prepare_text_command
 
     return prepare_text_command(ns)
 
@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plugins)
-    from subnetdp.plugins.data.corpus import add_prepare_text_arguments
+    from subnetdp.tools.prepare_text import add_prepare_text_arguments
 
     p = sub.add_parser("prepare-text", help="tokenise local text into token shards",
                        description="Tokenise .txt/.jsonl/.parquet files (or the Python standard library, or "
