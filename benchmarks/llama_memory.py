@@ -26,7 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.config import compose
-from subnetdp.parallel.dryrun_comm import DryRunCommunicator
+from subnetdp.plan.dryrun import DryRunCommunicator
 from subnetdp.core.contracts import DataSpec
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer

@@ -33,7 +33,7 @@ from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.sdp.union import (StreamedUnion, assemble_union, evaluate, evaluate_union,  # noqa: E402
                                 union_branch_scales)
-from subnetdp.core.branches import fold_branch_scales  # noqa: E402
+from subnetdp.sdp.branches import fold_branch_scales  # noqa: E402
 from subnetdp.train.loop import setup, train_loop  # noqa: E402
 from tests.helpers import plugin_manager, run_ranks  # noqa: E402
 from _results import results_dir  # noqa: E402

@@ -6,7 +6,7 @@ freezes it, so a change here is deliberate.
 """
 
 from subnetdp.core.contracts import (CommConfig, Communicator, DataConfig, DataModule, DataSpec, DoneHandle,
-                                     GradSynchronizer, Handle, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
+                                     GradSynchronizer, Handle, HiddenSite, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
                                      ModelConfig, ParamMap, Parallelism, Partition, Piece, ResumableLoader, Run, TensorSlice,
                                      Unit)
 from subnetdp.core.errors import (CheckpointError, ConfigError, NonFiniteError, PlanError, RankMismatchError,
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CommConfig", "Communicator", "ConfigError", "DataConfig", "DataModule", "DataSpec",
-    "DoneHandle", "GROUP_BY", "GradSynchronizer", "Handle", "LaunchEnv", "MaskPlan", "Masker", "MaskerConfig",
+    "DoneHandle", "GROUP_BY", "GradSynchronizer", "Handle", "HiddenSite", "LaunchEnv", "MaskPlan", "Masker", "MaskerConfig",
     "ModelAdapter", "ModelConfig", "NonFiniteError", "ParamMap", "Parallelism", "Partition", "Piece", "PlanError",
     "RankMismatchError", "Registry", "ResumableLoader", "Run", "SubnetdpError", "TensorSlice", "Unit",
     "group_units", "hookimpl", "suggest", "units_kept",

@@ -51,7 +51,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         if cfg.run.name:
             from pathlib import Path
 
-            from subnetdp.core.runlock import check_free
+            from subnetdp.train.runlock import check_free
             check_free(Path(str(cfg.run.dir)) / str(cfg.run.name))
         if not cfg.run.name:
             overrides.append(f"run.name={default_run_name(cfg, nproc)}{time.strftime('-%Y%m%d-%H%M%S')}")
@@ -63,7 +63,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         worker_dies_with_launcher()  # a killed launcher takes its workers with it
     else:
-        from subnetdp.core.upfront import check_run_dir
+        from subnetdp.train.upfront import check_run_dir
 
         check_run_dir(cfg)
     from subnetdp.train.loop import train
@@ -74,7 +74,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _already_finished(cfg, env) -> bool:
     """``resume=auto`` on a run that did all its steps: say so (rank 0) and touch nothing."""
-    from subnetdp.core.upfront import finished_run
+    from subnetdp.train.upfront import finished_run
 
     message = finished_run(cfg)
     if message and env.rank == 0:
@@ -107,7 +107,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.core.config import compose
     from subnetdp.train.meter import plan_figure
     from subnetdp.core.plan import MaskPlan
-    from subnetdp.train.planreport import format_report, plan_report
+    from subnetdp.plan.report import format_report, plan_report
     from subnetdp.core.errors import ConfigError
     from subnetdp.core.plugins import PluginManager
 
@@ -118,7 +118,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if world < 1:
         raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")
     if ns.memory:
-        from subnetdp.train.budget import budget_search, format_budget, parse_memory
+        from subnetdp.plan.budget import budget_search, format_budget, parse_memory
 
         result = budget_search(cfg, world, pm, parse_memory(ns.memory, world))
         report = result.get("report")
@@ -176,7 +176,7 @@ def cmd_recipes(ns: argparse.Namespace) -> int:
 
 
 def cmd_prepare_text(ns: argparse.Namespace) -> int:
-    from subnetdp.plugins.data.prepare_text import prepare_text_command
+    from subnetdp.tools.prepare_text import prepare_text_command
 
     return prepare_text_command(ns)
 
@@ -184,7 +184,7 @@ def cmd_prepare_text(ns: argparse.Namespace) -> int:
 def cmd_eval(ns: argparse.Namespace) -> int:
     if ns.tasks:
         return _eval_tasks(ns)
-    from subnetdp.export import evaluate_checkpoint
+    from subnetdp.evaluate.export import evaluate_checkpoint
 
     loaded, metrics = evaluate_checkpoint(ns.path, data=ns.data)
     if ns.json:
@@ -196,7 +196,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _eval_tasks(ns: argparse.Namespace) -> int:
-    from subnetdp.export import evaluate_checkpoint_tasks
+    from subnetdp.evaluate.tasks import evaluate_checkpoint_tasks
     from subnetdp.train.downstream import scalars, table
 
     tasks = [t.strip() for t in ns.tasks.split(",") if t.strip()]
@@ -216,18 +216,18 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
 
 def cmd_export(ns: argparse.Namespace) -> int:
     if ns.format == "hf":
-        from subnetdp.hf import export_hf
+        from subnetdp.evaluate.hf import export_hf
 
         out, files = export_hf(ns.checkpoint, ns.out, data=ns.data)
         print(f"wrote {', '.join(files)} to {out}; load with "
               f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
               + ("" if "tokenizer.json" in files else " (the run's tokenizer is unknown: no tokenizer files)"))
         return 0
-    from subnetdp.export import export
+    from subnetdp.evaluate.export import export
 
     out = export(ns.checkpoint, ns.out, recalibrate=not ns.no_recalibrate, data=ns.data)
     print(f"wrote {out / 'model.safetensors'} and {out / 'reference.json'}; rebuild with "
-          f"subnetdp.export.load_reference({str(out)!r})")
+          f"subnetdp.evaluate.export.load_reference({str(out)!r})")
     return 0
 
 
@@ -257,7 +257,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export a checkpoint as the plain reference model or a Hugging Face model",
                        description="Write the union model as the reference architecture's plain state_dict "
                                    "(OUT/model.safetensors) and the options to rebuild it (OUT/reference.json); "
-                                   "rebuild with subnetdp.export.load_reference(OUT). With --format hf (LLaMA): "
+                                   "rebuild with subnetdp.evaluate.export.load_reference(OUT). With --format hf (LLaMA): "
                                    "a Hugging Face model directory (config.json, model.safetensors, tokenizer) "
                                    "that transformers' AutoModelForCausalLM.from_pretrained(OUT) loads.")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, or a run directory (newest)")
@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List every registered plugin: name, kind, package, version, hooks.")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plugins)
-    from subnetdp.plugins.data.prepare_text import add_prepare_text_arguments
+    from subnetdp.tools.prepare_text import add_prepare_text_arguments
 
     p = sub.add_parser("prepare-text", help="tokenise local text into token shards",
                        description="Tokenise .txt/.jsonl/.parquet files (or the Python standard library, or "

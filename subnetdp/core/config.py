@@ -539,10 +539,14 @@ def _check_checkpoint_keys(cfg: DictConfig) -> None:
                           "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
 
 
-def _check_added_keys(cfg: DictConfig) -> None:
-    from subnetdp.core.upfront import check_choices
+FINAL_CHOICES = ("auto", "always", "never")
 
-    check_choices(cfg)
+
+def _check_added_keys(cfg: DictConfig) -> None:
+    final = str(cfg.checkpoint.final)
+    if final not in FINAL_CHOICES:
+        raise ConfigError("checkpoint.final", final, f"valid choices: {', '.join(FINAL_CHOICES)}",
+                          "auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")
 
 
 NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems

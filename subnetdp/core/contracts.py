@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from subnetdp.core.plan import MaskPlan
-    from subnetdp.core.runlock import RunLock
 
 
 # --------------------------------------------------------------------------- data types
@@ -169,6 +168,21 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class HiddenSite:
+    """Where a block's hidden channels can be reached (what :meth:`ModelAdapter.hidden_sites` returns).
+
+    Attributes:
+        module: the module whose input (``where="input"``) or output (``where="output"``) they are.
+        dim: their dimension in that activation.
+        where: ``input`` or ``output``.
+    """
+
+    module: "nn.Module"
+    dim: int
+    where: str = "input"
+
+
+@dataclass(frozen=True)
 class LaunchEnv:
     """Where this process sits: filled by :mod:`subnetdp.launchers` from the environment."""
 
@@ -296,8 +310,9 @@ class ModelConfig(PluginConfig):
     """Keys every model adapter shares (``model.*``).
 
     ``stochastic_depth`` and ``hidden_dropout`` are drop probabilities (keep rate ``1 - p``) of the
-    residual branches and hidden channels that SDP masks (:mod:`subnetdp.core.branches`); 0 = off.
-    Adapters list the ones they support in ``ModelAdapter.regularizers``.
+    residual branches and hidden channels that SDP masks; 0 = off. Adapters list the ones they
+    support in ``ModelAdapter.regularizers`` and say where they act (``residual_branches``,
+    ``hidden_sites``); the framework attaches them after ``build`` (:mod:`subnetdp.sdp.branches`).
     """
 
     variant: str = doc('the size: resnet18/34/50, swin t/s/b/cifar, llama tiny/134m/500m/1b', "")
@@ -450,6 +465,46 @@ class Communicator(Plugin, abc.ABC):
         """Destroy the process groups."""
 
 
+class NullCommunicator(Communicator):
+    """Collectives that move nothing and return at once, on the CPU, with no process group.
+
+    The communicator ``local`` is one (world size 1: every collective is the identity, so a
+    single-process run takes the distributed path). The plan's dry runs use one as rank ``r`` of W
+    in a single process, with ``counts_bytes`` on: each collective then records the payload a real
+    backend would have been handed, and the estimate of bytes per step comes from the same calls.
+    """
+
+    #: Record each collective's payload in ``bytes`` (off for ``local``, whose runs send nothing).
+    counts_bytes: ClassVar[bool] = False
+
+    @property
+    def device(self) -> "torch.device":
+        import torch  # core does not import torch at load
+
+        return torch.device("cpu")
+
+    def init(self) -> None:
+        return None
+
+    def new_group(self, ranks: Sequence[int]) -> None:
+        return None
+
+    def all_reduce(self, tensor: "torch.Tensor", group: Sequence[int], async_op: bool = False) -> Handle:
+        if self.counts_bytes:
+            self.bytes.add(tuple(group), tensor.numel() * tensor.element_size())
+        return DoneHandle()
+
+    def broadcast(self, tensor: "torch.Tensor", src: int, group: Sequence[int] | None = None) -> None:
+        if self.counts_bytes:
+            self.bytes.add(self.world if group is None else tuple(group), tensor.numel() * tensor.element_size())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj] * self.world_size
+
+    def barrier(self) -> None:
+        return None
+
+
 class ModelAdapter(Plugin, abc.ABC):
     """Knows one model family: how to build it, cut it into units and materialise subnetworks."""
 
@@ -457,15 +512,16 @@ class ModelAdapter(Plugin, abc.ABC):
     granularities: ClassVar[tuple[str, ...]] = ("block",)
     #: The kind of data it trains on; a data module of the same kind pairs with it (``image``, ``tokens``).
     data_kind: ClassVar[str] = "image"
-    # Which of model.stochastic_depth / model.hidden_dropout the adapter implements (through
-    # residual_branches / hidden_sites).
+    # Which of model.stochastic_depth / model.hidden_dropout the adapter supports: the framework
+    # attaches them after build(), where residual_branches / hidden_sites say.
     regularizers: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def build(self, spec: DataSpec) -> "nn.Module":
-        """Build the full model. A run builds it under ``torch.device("meta")`` (structure only, no
-        storage) and initialises what a rank holds with :meth:`init_module`; on CPU it also gives a
-        plain, initialised model (the caller seeds the RNG first)."""
+        """Build the full model, the plain reference architecture. A run builds it under
+        ``torch.device("meta")`` (structure only, no storage) and initialises what a rank holds with
+        :meth:`init_module`; on CPU it also gives a plain, initialised model (the caller seeds the RNG
+        first). Regularisers are attached by the framework afterwards, not here."""
 
     def init_module(self, name: str, module: "nn.Module") -> None:
         """Initialise ``module``'s own parameters and buffers (not its children's) in place.
@@ -516,21 +572,10 @@ class ModelAdapter(Plugin, abc.ABC):
         branches: scaling them scales the branch exactly. Used by ``eval.block_union=rescaled``."""
         return {}
 
-    def hidden_sites(self, model: "nn.Module") -> list[Any]:
-        """Where the hidden channels of every neuron-level group can be reached
-        (:class:`subnetdp.core.branches.HiddenSite`), for ``model.hidden_dropout``."""
+    def hidden_sites(self, model: "nn.Module") -> list[HiddenSite]:
+        """Where the hidden channels of every neuron-level group can be reached, for
+        ``model.hidden_dropout``."""
         return []
-
-    def regularize(self, model: "nn.Module") -> "nn.Module":
-        """Attach ``model.stochastic_depth`` and ``model.hidden_dropout`` to a freshly built full
-        model (nothing when both are 0); adapters call it at the end of :meth:`build`."""
-        sd, hd = float(self.cfg.stochastic_depth), float(self.cfg.hidden_dropout)
-        if sd > 0.0 or hd > 0.0:
-            from subnetdp.core.branches import attach_regularizers
-
-            attach_regularizers(model, self.residual_branches(model) if sd > 0.0 else {},
-                                self.hidden_sites(model) if hd > 0.0 else [], sd, hd)
-        return model
 
     @abc.abstractmethod
     def loss(self, output: Any, batch: Any) -> "torch.Tensor": ...
@@ -788,7 +833,7 @@ class Run:
     optimizer: "Optional[torch.optim.Optimizer]" = None
     averager: Optional[GradSynchronizer] = None
     parallel: Optional[Parallelism] = None  # made by subnetdp.parallel.apply.parallelize (a floor above)
-    lock: "Optional[RunLock]" = None  # rank 0's hold on run_dir: one job per run directory
+    lock: Any = None  # rank 0's hold on run_dir, one job per run directory (subnetdp.train.runlock, a floor above)
     step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     eval_union: dict[str, Any] = field(default_factory=dict)  # how the union was evaluated (summary.json)

@@ -1,8 +1,11 @@
-"""Communicators of the plan's dry runs: collectives that count their payload and move nothing.
+"""The sharded dry run's communicator: torch's *fake* process group, whose real groups FSDP2 and
+device meshes need (their collectives return at once and move nothing).
 
-:class:`DryRunCommunicator` is rank ``r`` of W in one process, with no process group at all;
-:class:`FakeGroupCommunicator` adds torch's *fake* process group, whose real groups FSDP2 and
-device meshes need (their collectives return at once).
+The dry run without FSDP needs no process group at all
+(:class:`~subnetdp.plan.dryrun.DryRunCommunicator`); both are the contract's do-nothing
+communicator (:class:`~subnetdp.core.contracts.NullCommunicator`) counting their payload. This one
+lives here because only ``parallel/`` (with ``plugins/comm/`` and ``launchers/``) imports
+``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -13,37 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from subnetdp.core.contracts import Communicator, DoneHandle, Handle, LaunchEnv
-
-
-class DryRunCommunicator(Communicator):
-    """Rank ``rank`` of ``world_size`` with collectives that only count bytes."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(None, LaunchEnv(rank, world_size, rank, world_size, "dry-run"))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def init(self) -> None:
-        return None
-
-    def new_group(self, ranks: Sequence[int]) -> None:
-        return None
-
-    def all_reduce(self, tensor: torch.Tensor, group: Sequence[int], async_op: bool = False) -> Handle:
-        self.bytes.add(tuple(group), tensor.numel() * tensor.element_size())
-        return DoneHandle()
-
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
-        self.bytes.add(self.world if group is None else tuple(group), tensor.numel() * tensor.element_size())
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj] * self.world_size
-
-    def barrier(self) -> None:
-        return None
+from subnetdp.core.contracts import Handle, LaunchEnv, NullCommunicator
 
 
 class _Work:
@@ -55,15 +28,17 @@ class _Work:
             self.work.wait()
 
 
-class FakeGroupCommunicator(DryRunCommunicator):
+class FakeGroupCommunicator(NullCommunicator):
     """Rank ``rank`` of ``world_size`` over torch's fake process group: real groups, no traffic.
 
     FSDP2 and device meshes need ``torch.distributed`` groups; their collectives return at once.
-    The communicator's own all-reduces still count their payload.
+    The communicator's own all-reduces and broadcasts still count their payload.
     """
 
+    counts_bytes = True
+
     def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
+        super().__init__(None, LaunchEnv(rank, world_size, rank, world_size, "dry-run"))
         self._groups: dict[tuple[int, ...], Any] = {}
 
     def init(self) -> None:

@@ -6,4 +6,6 @@
 - :mod:`~subnetdp.sdp.union`: union evaluation and assembly.
 - :mod:`~subnetdp.sdp.resample`: re-drawn plans.
 - :mod:`~subnetdp.sdp.variants`: what a rank holds (materialised subnetwork or masked full model).
+- :mod:`~subnetdp.sdp.branches`: stochastic depth and hidden dropout, attached from outside the model
+  after the adapter builds it, and the branch scaling of a rescaled block-level union.
 """

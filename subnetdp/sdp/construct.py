@@ -28,13 +28,20 @@ from torch import nn
 
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ParamMap, Partition, Piece
 from subnetdp.core.errors import SubnetdpError
+from subnetdp.sdp.branches import regularize
 from subnetdp.sdp.variants import is_backward, local_model
+
+
+def build_model(adapter: ModelAdapter, spec: DataSpec) -> nn.Module:
+    """The full model as a run trains it: the adapter's plain model, with the configured regularisers
+    (``model.stochastic_depth``, ``model.hidden_dropout``) attached from outside."""
+    return regularize(adapter, adapter.build(spec))
 
 
 def meta_model(adapter: ModelAdapter, spec: DataSpec) -> nn.Module:
     """The full model on the ``meta`` device: every shape, no storage, nothing initialised."""
     with torch.device("meta"):
-        return adapter.build(spec)
+        return build_model(adapter, spec)
 
 
 def module_seed(seed: int, name: str) -> int:

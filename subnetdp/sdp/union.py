@@ -21,7 +21,7 @@ from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, ModelAd
                                      TensorSlice)
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.sdp.variants import is_backward
-from subnetdp.core.branches import regularizers_off
+from subnetdp.sdp.branches import regularizers_off
 from subnetdp.core.plan import MaskPlan
 
 
@@ -243,7 +243,7 @@ class StreamedUnion:
     level; the layer's module at neuron level) allocates its unit tensors and broadcasts every piece
     from ``min(owners)``, and a forward hook frees them after the module has run. Branch scales
     (``eval.block_union=rescaled``) are folded into the fetched weights, exactly as
-    :func:`~subnetdp.core.branches.fold_branch_scales` folds them into an assembled union.
+    :func:`~subnetdp.sdp.branches.fold_branch_scales` folds them into an assembled union.
 
     Every rank must run the same forwards in the same order (each module's pre-hook is a collective):
     :func:`evaluate_union` has every rank evaluate the same batches. Use as a context manager; the
@@ -265,8 +265,9 @@ class StreamedUnion:
         self.device = comm.device
         self.index = LocalIndex(model, pmap)
         self.fetched_bytes = self.resident_bytes = 0
-        with torch.device("meta"):
-            self.module = adapter.build(spec)
+        from subnetdp.sdp.construct import meta_model
+
+        self.module = meta_model(adapter, spec)
         scaled = {id(m): float(s) for name, s in (scales or {}).items()
                   for m in adapter.branch_output_layers(self.module).get(name, []) if float(s) != 1.0}
         self._slots = self._plan_slots(plan, scaled)

@@ -20,13 +20,13 @@ from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.runlock import RunLock, RunLockedError
+from subnetdp.train.runlock import RunLock, RunLockedError
 from subnetdp.train.checkpoints.resume import Checkpointer, check_resume_source, seed_host_rngs
 from subnetdp.train.stopping import Interrupted, StopRequest, hold_for_test, stop_message
 from subnetdp.sdp.sync import NonFiniteGuard, OwnerGroupAverager
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.step import train_step
-from subnetdp.core.branches import fold_branch_scales
+from subnetdp.sdp.branches import fold_branch_scales
 from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate, evaluate_union
 from subnetdp.sdp.construct import build_local, meta_model
 from subnetdp.sdp.variants import is_backward, partition_model
@@ -77,7 +77,7 @@ def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Dat
 def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool = True) -> MaskPlan:
     """Validate the communicator, run directory, data and plan for ``world_size`` ranks before any
     worker is started (``machine=False``: the workers run elsewhere, skip this machine's checks)."""
-    from subnetdp.core import upfront
+    from subnetdp.train import upfront
 
     if machine:
         upfront.check_backend(cfg, pm.registries, world_size)

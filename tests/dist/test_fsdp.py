@@ -18,7 +18,7 @@ import torch
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import setup
 from subnetdp.train.optim import build_optimizer, build_schedule
-from subnetdp.train.planreport import plan_report
+from subnetdp.plan.report import plan_report
 from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import LM_STEPS as STEPS

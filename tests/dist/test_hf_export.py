@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from subnetdp.cli import main
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import train
-from subnetdp.plugins.data.prepare_text import ByteTokenizer
-from subnetdp.export import load_union
-from subnetdp.hf import hf_tokenizer, run_tokenizer
+from subnetdp.plugins.data.corpus import ByteTokenizer
+from subnetdp.evaluate.export import load_union
+from subnetdp.evaluate.hf import hf_tokenizer, run_tokenizer
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import plugin_manager, run_ranks, small_config
 

@@ -6,7 +6,7 @@ BatchNorm recalibration)."""
 
 from __future__ import annotations
 
-from subnetdp.core.branches import fold_branch_scales
+from subnetdp.sdp.branches import fold_branch_scales
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.sdp.union import StreamedUnion, assemble_union, evaluate, evaluate_union, union_branch_scales

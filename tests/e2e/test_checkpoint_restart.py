@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.export import export, load_reference, load_union
+from subnetdp.evaluate.export import export, load_reference, load_union
 from tests.helpers import plugin_manager
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

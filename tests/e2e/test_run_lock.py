@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from subnetdp.core.runlock import LOCK_FILE
+from subnetdp.train.runlock import LOCK_FILE
 
 PY = [sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "comm.name=local", "masker.coverage=1",
       "train.batch_size=8", "optim.warmup_steps=0", "launch.threads_per_rank=1", "train.progress=false",

@@ -19,7 +19,7 @@ from subnetdp.train.checkpoints.units import PieceReader
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import CheckpointError, NonFiniteError
 from subnetdp.train.loop import train
-from subnetdp.export import load_union
+from subnetdp.evaluate.export import load_union
 from tests.helpers import plugin_manager, small_config
 
 ONE = LaunchEnv(0, 1, 0, 1, "test")

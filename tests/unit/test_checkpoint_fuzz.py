@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from subnetdp.core.config import config_root
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import SubnetdpError
-from subnetdp.core.upfront import finished_run
-from subnetdp.export import load_union
+from subnetdp.train.upfront import finished_run
+from subnetdp.evaluate.export import load_union
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.loop import train
 from tests.helpers import plugin_manager, small_config

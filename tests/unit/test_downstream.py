@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from subnetdp.cli import main
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import train
-from subnetdp.export import load_union
+from subnetdp.evaluate.export import load_union
 from tests.helpers import plugin_manager, small_config
 
 pytest.importorskip("lm_eval", reason="needs the eval extra: pip install 'subnetdp[eval]'")

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from subnetdp.train.dryrun import fake_module
-from subnetdp.train.planreport import plan_report
+from subnetdp.plan.dryrun import fake_module
+from subnetdp.plan.report import plan_report
 from tests.helpers import plugin_manager, small_config
 
 
@@ -49,3 +49,21 @@ def test_fake_module_keeps_shapes_strides_flags_and_ties():
     with mode:
         out = model[1](model[0](torch.tensor([[0, 4]])))
     assert isinstance(out, FakeTensor) and out.shape == (1, 2, 5)
+
+
+def test_the_dry_run_and_local_communicators_share_the_null_collectives():
+    from subnetdp.core.contracts import LaunchEnv, NullCommunicator
+    from subnetdp.plan.dryrun import DryRunCommunicator
+    from subnetdp.plugins.comm.local import LocalCommunicator
+
+    local, dry = LocalCommunicator(None, LaunchEnv()), DryRunCommunicator(1, 4)
+    assert isinstance(local, NullCommunicator) and isinstance(dry, NullCommunicator)
+    for comm, world in ((local, (0,)), (dry, (0, 1, 2, 3))):
+        t = torch.arange(3.0)
+        comm.all_reduce(t, (0, 1)[:len(world)]).wait()
+        comm.broadcast(t, 0)
+        assert torch.equal(t, torch.arange(3.0))  # nothing moves
+        assert comm.all_gather_object("x") == ["x"] * len(world) and comm.device == torch.device("cpu")
+    assert local.bytes.total() == 0 and local.bytes.calls == 0  # a local run sends nothing
+    # The dry run counts what a real backend would have been handed: 12 bytes to (0, 1), 12 to the world.
+    assert dry.bytes.by_group == {(0, 1): 12, (0, 1, 2, 3): 12} and (dry.rank, dry.world_size) == (1, 4)

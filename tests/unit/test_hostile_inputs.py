@@ -121,7 +121,7 @@ def test_links_in_the_checkpoint_tree_are_never_followed(source, tmp_path):
     (tmp_path / "linked" / "plan.json").unlink()
     (tmp_path / "linked" / "plan.json").symlink_to(ck.step_dir(other, 2) / "plan.json")
     with pytest.raises(CheckpointError, match="symbolic link"):
-        from subnetdp.export import load_union
+        from subnetdp.evaluate.export import load_union
         load_union(tmp_path / "linked", plugin_manager())
     (tmp_path / "linked2").mkdir()
     (tmp_path / "linked2" / "checkpoints").symlink_to(ck.checkpoints_dir(other))
@@ -273,7 +273,7 @@ def test_a_stored_config_is_never_resolved(source, lm_source, tmp_path, monkeypa
         (ckpt / "config.yaml").write_text(honest.replace(line, crafted, 1))
         _rehash(ckpt, "config.yaml")
         with pytest.raises(CheckpointError) as e:
-            from subnetdp.export import load_union
+            from subnetdp.evaluate.export import load_union
             load_union(ckpt, plugin_manager())
         msg = str(e.value)
         assert msg.startswith(f"{ckpt / 'config.yaml'}: {key} holds the interpolation") and "\n" not in msg, msg

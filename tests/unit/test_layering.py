@@ -1,10 +1,13 @@
 """The floors of the package, enforced on every import, direct or transitive (function-level ones too).
 
 Bottom up: ``core`` (the contracts) -> ``sdp`` (the method) -> ``parallel`` (the engine) -> ``train``
-(step, meter, loop, checkpoints, dry runs) -> the entry points (``cli``, ``export``, ``data_prep``).
-``launchers`` and ``plugins`` stand on ``core`` alone (a communicator may use ``launchers``); one
-plugin kind never imports another, and ``import subnetdp`` (the public API) reaches only ``core``.
-Only ``plugins/comm/``, ``parallel/`` and ``launchers/`` import ``torch.distributed`` or ``mpi4py``.
+(step, meter, loop, checkpoints, the run lock and up-front checks) -> the command wings: ``plan``
+(report, budget search, dry runs), ``evaluate`` (eval and export from a checkpoint's files) and
+``tools`` (data preparation) -> ``cli``. ``launchers`` and ``plugins`` stand on ``core`` alone (a
+communicator may use ``launchers``); one plugin kind never imports another, no wing imports another,
+and ``import subnetdp`` (the public API) reaches only ``core``. No import cycle joins two modules
+unless both are in ``core``. Only ``plugins/comm/``, ``parallel/`` and ``launchers/`` import
+``torch.distributed`` or ``mpi4py``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subnetdp
 ROOT = Path(subnetdp.__file__).parent
 DIST_ALLOWED = ("plugins/comm/", "parallel/", "launchers/")
 BACKENDS = ("torch.distributed", "mpi4py")
+WINGS = ("plan", "evaluate", "tools")  # the commands' rooms: each stands on the floors it needs
 
 # floor -> the floors its modules may import (itself included)
 MAY_IMPORT = {
@@ -28,7 +32,10 @@ MAY_IMPORT = {
     "parallel": {"core", "sdp", "parallel"},
     "train": {"core", "sdp", "parallel", "train", "launchers"},
     "plugins": {"api", "core", "launchers"},  # and their own kind (checked separately)
-    "top": {"api", "core", "sdp", "parallel", "train", "launchers", "plugins", "top"},
+    "plan": {"core", "sdp", "parallel", "train", "launchers", "plan"},
+    "evaluate": {"core", "sdp", "parallel", "train", "launchers", "evaluate"},
+    "tools": {"api", "core", "plugins", "tools"},
+    "top": {"api", "core", "sdp", "parallel", "train", "launchers", "plugins", *WINGS, "top"},
 }
 
 
@@ -104,7 +111,7 @@ def violations(mod: str) -> list[str]:
 
 
 def test_the_walk_sees_the_package():
-    assert {"core", "sdp", "parallel", "train", "plugins", "launchers", "api", "top"} <= {floor(m) for m in MODULES}
+    assert set(MAY_IMPORT) == {floor(m) for m in MODULES}  # every floor has modules, every module a floor
     # a transitive edge the walk must see: the loop reaches torch.distributed through parallel/
     assert any(n.startswith("torch.distributed") for n in reached("subnetdp.train.loop"))
 
@@ -131,3 +138,60 @@ def test_only_backend_packages_import_torch_distributed():
         if any(m.startswith(BACKENDS) for m in direct_imports(mod)):
             offenders.append(rel)
     assert offenders == []
+
+
+def test_the_floors_form_a_ladder_and_no_wing_imports_another():
+    for wing in WINGS:
+        assert not MAY_IMPORT[wing] & (set(WINGS) - {wing}), wing
+    # No circle between floors: each floor's allowed set, itself left out, leads only downwards.
+    order: list[str] = []
+    while len(order) < len(MAY_IMPORT):
+        ready = [f for f in MAY_IMPORT if f not in order and MAY_IMPORT[f] - {f} <= set(order)]
+        assert ready, f"the floors {sorted(set(MAY_IMPORT) - set(order))} import each other in a circle"
+        order += sorted(ready)
+
+
+def import_cycles() -> list[list[str]]:
+    """The package's import cycles: strongly connected groups of more than one module."""
+    graph = {m: sorted(n for n in direct_imports(m) if n in MODULES) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for root in graph:  # Tarjan's algorithm, iteratively (the graph is deep enough for recursion limits)
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+            if i < len(graph[node]):
+                work.append((node, i + 1))
+                nxt = graph[node][i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    m = stack.pop()
+                    group.append(m)
+                    if m == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return cycles
+
+
+def test_no_import_cycle_outside_core():
+    # core's own contracts refer to each other's types; anywhere else a cycle means two modules
+    # that cannot be read (or moved) one without the other, as export and hf once were.
+    cycles = [c for c in import_cycles() if any(floor(m) != "core" for m in c)]
+    assert cycles == [], cycles

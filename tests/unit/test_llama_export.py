@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import train
 from subnetdp.sdp.union import evaluate
-from subnetdp.export import export, load_reference
+from subnetdp.evaluate.export import export, load_reference
 from subnetdp.plugins.models.llama.model import Llama, LlamaArgs
 from tests.helpers import plugin_manager, small_config
 

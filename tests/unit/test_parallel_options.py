@@ -9,7 +9,7 @@ import torch
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
 from subnetdp.train.loop import train_loop, preflight, set_threads, setup
-from subnetdp.train.planreport import plan_report
+from subnetdp.plan.report import plan_report
 from subnetdp.parallel.checkpointing import checkpointed_positions
 from subnetdp.parallel.compile import compile_problem
 from tests.helpers import plugin_manager, small_config

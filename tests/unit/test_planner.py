@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from subnetdp.cli import main
-from subnetdp.train.budget import budget_search, parse_memory
+from subnetdp.plan.budget import budget_search, parse_memory
 from subnetdp.core.config import compose, config_root
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.train.loop import build_plan
-from subnetdp.train.planreport import plan_report, shape_plan
+from subnetdp.plan.report import plan_report, shape_plan
 from tests.helpers import plugin_manager, small_config
 
 RECIPES = sorted(p.stem for p in (config_root() / "recipes").glob("*.yaml"))

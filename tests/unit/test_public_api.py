@@ -123,6 +123,9 @@ FROZEN_API: dict[str, list[str]] = {
     'Handle': [
         "wait(self) -> 'None'",
     ],
+    'HiddenSite': [
+        '__init__(self, module: "\'nn.Module\'", dim: \'int\', where: \'str\' = \'input\') -> None',
+    ],
     'LaunchEnv': [
         "__init__(self, rank: 'int' = 0, world_size: 'int' = 1, local_rank: 'int' = 0, local_world_size: 'int' = 1, launcher: 'str' = 'none') -> None",
     ],
@@ -160,7 +163,7 @@ FROZEN_API: dict[str, list[str]] = {
         'build(self, spec: \'DataSpec\') -> "\'nn.Module\'"',
         "has_hf_export(cls) -> 'bool'",
         'hf_export(self, model: "\'nn.Module\'", options: \'dict[str, Any]\', bos: \'Optional[int]\' = None, eos: \'Optional[int]\' = None) -> "tuple[dict[str, Any], dict[str, \'torch.Tensor\']]"',
-        'hidden_sites(self, model: "\'nn.Module\'") -> \'list[Any]\'',
+        'hidden_sites(self, model: "\'nn.Module\'") -> \'list[HiddenSite]\'',
         'init_module(self, name: \'str\', module: "\'nn.Module\'") -> \'None\'',
         "inputs(self, batch: 'Any') -> 'Any'",
         'loss(self, output: \'Any\', batch: \'Any\') -> "\'torch.Tensor\'"',
@@ -170,7 +173,6 @@ FROZEN_API: dict[str, list[str]] = {
         'reference_model(options: \'dict[str, Any]\') -> "\'nn.Module\'"',
         "reference_options(self, spec: 'DataSpec') -> 'Optional[dict[str, Any]]'",
         'reference_state_dict(self, model: "\'nn.Module\'") -> "dict[str, \'torch.Tensor\']"',
-        'regularize(self, model: "\'nn.Module\'") -> "\'nn.Module\'"',
         'residual_branches(self, model: "\'nn.Module\'") -> "dict[str, list[\'nn.Module\']]"',
         'training_loss(self, model: "\'nn.Module\'", batch: \'Any\') -> "\'torch.Tensor\'"',
     ],
@@ -222,7 +224,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'Run': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Optional[Parallelism]\' = None, lock: "\'Optional[RunLock]\'" = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, eval_union: \'dict[str, Any]\' = <factory>, alignment: \'list[dict[str, float]]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Optional[Parallelism]\' = None, lock: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, eval_union: \'dict[str, Any]\' = <factory>, alignment: \'list[dict[str, float]]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
         'rank: property',
     ],
     'SubnetdpError': [

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from subnetdp.core.branches import DropChannels, DropPath, fold_branch_scales
+from subnetdp.sdp.branches import DropChannels, DropPath, fold_branch_scales
 from subnetdp.core.contracts import DataSpec
+from subnetdp.sdp.construct import build_model
 from subnetdp.core.errors import ConfigError
 from tests.helpers import plugin_manager, small_config
 
@@ -29,7 +30,7 @@ def _build(name: str, *overrides: str) -> nn.Module:
     cfg = small_config(*extra, *overrides, recipe=recipe)
     adapter = plugin_manager().registries["model"].create(cfg.model.name, cfg.model)
     torch.manual_seed(0)
-    return adapter.build(spec)
+    return build_model(adapter, spec)
 
 
 @pytest.mark.parametrize("name", list(CASES))

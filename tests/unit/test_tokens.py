@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from subnetdp.cli import main
 from subnetdp.core.errors import ConfigError
-from subnetdp.plugins.data.prepare_text import BPETokenizer, ByteTokenizer
+from subnetdp.plugins.data.corpus import BPETokenizer, ByteTokenizer
 from subnetdp.plugins.data.token_shards import HEADER_BYTES, open_shard, write_shard
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 

@@ -162,7 +162,7 @@ class TokensData(DataModule):
         if self._root is None:
             root = str(self.cfg.root)
             if root in ("", "stdlib"):
-                from subnetdp.plugins.data.prepare_text import build_stdlib_corpus
+                from subnetdp.plugins.data.corpus import build_stdlib_corpus
 
                 c = self.cfg
                 name = (f"stdlib-py{sysconfig.get_python_version()}-{c.tokenizer}"
@@ -214,10 +214,10 @@ class TokensData(DataModule):
     def tokenizer(self) -> Any:
         """The tokenizer the shards were made with (``meta.json``), or None when it is unknown.
 
-        A ``ByteTokenizer`` or ``BPETokenizer`` of :mod:`subnetdp.plugins.data.prepare_text`: ``encode(texts)``,
+        A ``ByteTokenizer`` or ``BPETokenizer`` of :mod:`subnetdp.plugins.data.corpus`: ``encode(texts)``,
         ``decode(ids)``, ``eot``, ``vocab_size``. Used by downstream evaluation and HF export.
         """
-        from subnetdp.plugins.data.prepare_text import make_tokenizer
+        from subnetdp.plugins.data.corpus import make_tokenizer
 
         root = self.root()
         kind = self._meta.get("tokenizer")

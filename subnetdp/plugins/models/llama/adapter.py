@@ -45,8 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from subnetdp.core.branches import HiddenSite
-from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
+from subnetdp.core.contracts import DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import assemble_partition, check_variant, identity_param_map, make_block_unit
@@ -125,7 +124,7 @@ class LlamaAdapter(ModelAdapter):
 
     def build(self, spec: DataSpec) -> nn.Module:
         self._init_args = self.args(spec)
-        return self.regularize(Llama(self._init_args))
+        return Llama(self._init_args)
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """Each tensor as :meth:`Llama.reset_parameters` initialises it (by its global name)."""

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subnetdp.core.branches import HiddenSite
-from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
+from subnetdp.core.contracts import DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
@@ -85,8 +84,8 @@ class ResNetAdapter(ModelAdapter):
             super().init_module(name, module)
 
     def build(self, spec: DataSpec) -> nn.Module:
-        return self.regularize(build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
-                                               bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual)))
+        return build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
+                               bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual))
 
     @staticmethod
     def _held_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

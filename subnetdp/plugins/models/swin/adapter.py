@@ -32,8 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
-from subnetdp.core.branches import HiddenSite
-from subnetdp.core.contracts import DataSpec, ModelAdapter, ModelConfig, ParamMap, Partition
+from subnetdp.core.contracts import DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
@@ -129,7 +128,7 @@ class SwinAdapter(ModelAdapter):
             super().init_module(name, module)
 
     def build(self, spec: DataSpec) -> nn.Module:
-        return self.regularize(build_reference(spec.num_classes, spec.in_channels or 3, **architecture(self.cfg)))
+        return build_reference(spec.num_classes, spec.in_channels or 3, **architecture(self.cfg))
 
     def residual_branches(self, model: nn.Module) -> dict[str, list[nn.Module]]:
         """A Swin block's two residual branches: ``attn`` and ``mlp`` (before torchvision's own

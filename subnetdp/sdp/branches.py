@@ -12,9 +12,11 @@ SDP at the same keep rate, applied to exactly what SDP masks:
   the same mask over all positions and tokens of the sample (``nn.Dropout2d`` for images), and
   scales kept channels by ``1 / (1 - p)``.
 
-Both are forward hooks on the model's own modules, so the model and its ``state_dict`` stay the
-reference architecture; in evaluation mode they do nothing, so evaluation is deterministic and at
-``p = 0`` no hook is attached at all. Masks come from torch's default generator, like
+Both are forward hooks on the model's own modules, attached from outside the model right after the
+adapter builds it (:func:`regularize`, where the adapter's ``residual_branches`` and
+``hidden_sites`` say), so the model and its ``state_dict`` stay the reference architecture; in
+evaluation mode they do nothing, so evaluation is deterministic and at ``p = 0`` no hook is
+attached at all. Masks come from torch's default generator, like
 ``nn.Dropout``'s, so activation checkpointing (which restores the RNG state) recomputes the same
 masks. With the inverted scaling, the training-time expectation of a branch (or of a layer fed by
 the hidden channels) equals its evaluation-time value exactly.
@@ -28,11 +30,12 @@ is still the plain reference architecture (``subnetdp eval`` and ``subnetdp expo
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from subnetdp.core.contracts import HiddenSite, ModelAdapter
 
 REGULARIZERS = ("stochastic_depth", "hidden_dropout")
 
@@ -97,19 +100,18 @@ class DropChannels:
         return self.drop(out)
 
 
-@dataclass(frozen=True)
-class HiddenSite:
-    """Where a block's hidden channels can be reached.
+def regularize(adapter: ModelAdapter, model: nn.Module) -> nn.Module:
+    """Attach the adapter's ``model.stochastic_depth`` and ``model.hidden_dropout`` to ``model``, a full
+    model it has just built (nothing when both are 0); returns ``model``.
 
-    Attributes:
-        module: the module whose input (``where="input"``) or output (``where="output"``) they are.
-        dim: their dimension in that activation.
-        where: ``input`` or ``output``.
+    Config validation has already refused a rate the adapter does not list in ``regularizers``.
     """
-
-    module: nn.Module
-    dim: int
-    where: str = "input"
+    sd = float(getattr(adapter.cfg, "stochastic_depth", 0.0))
+    hd = float(getattr(adapter.cfg, "hidden_dropout", 0.0))
+    if sd > 0.0 or hd > 0.0:
+        attach_regularizers(model, adapter.residual_branches(model) if sd > 0.0 else {},
+                            adapter.hidden_sites(model) if hd > 0.0 else [], sd, hd)
+    return model
 
 
 def attach_regularizers(model: nn.Module, branches: Mapping[str, Sequence[nn.Module]],

@@ -5,8 +5,8 @@ Everything here runs in one process, without a process group::
     subnetdp eval RUN_DIR|CHECKPOINT        # metrics of the union model (newest checkpoint of a run)
     subnetdp export CHECKPOINT OUT          # OUT/model.safetensors + OUT/reference.json
 
-    import subnetdp.export
-    model = subnetdp.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
+    import subnetdp.evaluate.export
+    model = subnetdp.evaluate.export.load_reference("OUT")   # e.g. a plain torchvision ResNet, weights loaded
 
 The union model is assembled as :func:`subnetdp.sdp.union.assemble_union` does inside a run, one
 piece at a time from the files the manifest's index names (:func:`fill_union`): every parameter
@@ -43,7 +43,7 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.construct import meta_model, poison, poisoned, to_empty
 from subnetdp.sdp.variants import partition_model
 from subnetdp.core.plugins import PluginManager
-from subnetdp.core.branches import fold_branch_scales
+from subnetdp.sdp.branches import fold_branch_scales
 from subnetdp.sdp.union import evaluate, recalibrate_batchnorm, union_branch_scales
 
 EXPORT_FORMAT = "subnetdp-export/1"
@@ -265,7 +265,7 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
     info = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "options": options,
             "checkpoint": str(loaded.path), "run_id": loaded.manifest["run_id"], "step": loaded.manifest["step"],
             "bn_recalibrated_batches": n_cal, "branch_scales_folded": loaded.branch_scales,
-            "rebuild": "subnetdp.export.load_reference(OUT), or the plugin's reference_model(options) "
+            "rebuild": "subnetdp.evaluate.export.load_reference(OUT), or the plugin's reference_model(options) "
                        "then load_state_dict(safetensors.torch.load_file(OUT/model.safetensors))"}
     ck.write_text_atomic(out / "reference.json", json.dumps(info, indent=2))
     return out
@@ -291,38 +291,3 @@ def load_reference(out: str | Path, pm: PluginManager | None = None) -> nn.Modul
         raise SubnetdpError(f"{out / 'model.safetensors'}: not a readable safetensors file ({e})") from None
     model.load_state_dict(state)
     return model.eval()
-
-
-def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_path: Sequence[str] = (),
-                              limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 16,
-                              device: str = "auto", offline: bool = False, pm: Any = None,
-                              data: Sequence[str] = ()) -> tuple[Any, dict, Path]:
-    """lm-eval on a checkpoint's union model; the scores go into its run directory and TensorBoard.
-
-    ``data``: ``data.key=value`` overrides, as for :func:`evaluate_checkpoint` (the tokenizer is the data's).
-
-    Everything that can be wrong (lm-eval missing, an unknown task, a task whose data needs a download,
-    a model without a tokenizer) fails before the model is loaded.
-    """
-    from subnetdp.hf import run_tokenizer
-    from subnetdp.train.downstream import (load_tasks, make_lm, require_lm_eval, resolve_device, run_tasks,
-                                           set_offline, task_manager, write_results)
-
-    set_offline(offline)
-    require_lm_eval()
-    dev = resolve_device(device)
-    manager = task_manager(tasks, include_path)
-    loaded_tasks = load_tasks(manager, tasks)  # task data is checked before the model is loaded
-    pm = pm or PluginManager()
-    loaded = load_union(path, pm, data)
-    tok = run_tokenizer(loaded, pm)
-    if tok is None:
-        raise SubnetdpError(f"data '{loaded.cfg.data.name}' does not say which tokenizer made its tokens "
-                            "(DataModule.tokenizer()): lm-eval needs one to turn text into tokens")
-    model = loaded.model.to(dev).eval()
-    lm = make_lm(model, tok, dev, int(loaded.spec.seq_len) or 2048, batch_size)
-    results = run_tasks(lm, loaded_tasks, limit, num_fewshot, seed=int(loaded.cfg.seed))
-    ckpt = ck.resolve_checkpoint(Path(path))
-    step = int(loaded.manifest["step"])
-    written = write_results(ckpt.parent.parent, step, results)
-    return loaded, results, written

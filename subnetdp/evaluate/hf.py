@@ -36,7 +36,7 @@ def run_tokenizer(loaded: Any, pm: PluginManager) -> Any:
 
 
 def hf_tokenizer(tok: Any) -> Any:
-    """A ``tokenizers.Tokenizer`` equal to a :mod:`subnetdp.plugins.data.prepare_text` tokenizer."""
+    """A ``tokenizers.Tokenizer`` equal to a :mod:`subnetdp.plugins.data.corpus` tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if getattr(tok, "name", "") == "bpe":
@@ -81,11 +81,11 @@ def export_hf(path: str | Path, out: str | Path, pm: PluginManager | None = None
               data: Sequence[str] = ()) -> tuple[Path, list[str]]:
     """Write a checkpoint's union model as a Hugging Face model directory; returns it and its files.
 
-    ``data``: ``data.key=value`` overrides, as for :func:`subnetdp.export.export` (the tokenizer is the data's).
+    ``data``: ``data.key=value`` overrides, as for :func:`subnetdp.evaluate.export.export` (the tokenizer is the data's).
     """
     from safetensors.torch import save_file
 
-    from subnetdp.export import load_union
+    from subnetdp.evaluate.export import load_union
 
     pm = pm or PluginManager()
     loaded = load_union(path, pm, data)

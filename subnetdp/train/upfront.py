@@ -5,8 +5,7 @@ Each turns a problem that would otherwise surface as one traceback per rank into
 
 - :func:`check_run_dir`: ``run.dir`` can be created and written;
 - :func:`check_batch_fits`: a batch fits into every rank's data shard;
-- :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA);
-- :func:`check_choices`: the keys added for stopping and final checkpoints hold valid choices.
+- :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA).
 
 :func:`finished_run` tells ``resume=auto`` that the run already did all its steps; a ``summary.json``
 that is not what a run writes (checked against :data:`SUMMARY`) is refused in one line.
@@ -25,18 +24,9 @@ from omegaconf import DictConfig
 from subnetdp.core import records
 from subnetdp.core.errors import CheckpointError, ConfigError
 
-FINAL_CHOICES = ("auto", "always", "never")
-
 #: What :func:`finished_run` reads of a run's ``summary.json`` (the rest is for people and tools).
 SUMMARY = records.Record({"steps": records.Int(0)},
                          optional={"eval": records.Nullable(records.MapOf(records.Str(), records.Number()))})
-
-
-def check_choices(cfg: DictConfig) -> None:
-    final = str(cfg.checkpoint.final)
-    if final not in FINAL_CHOICES:
-        raise ConfigError("checkpoint.final", final, f"valid choices: {', '.join(FINAL_CHOICES)}",
-                          "auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")
 
 
 def check_run_dir(cfg: DictConfig) -> None:

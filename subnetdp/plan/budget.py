@@ -1,6 +1,6 @@
 """``subnetdp plan --memory``: the largest coverage that fits a memory budget, per rank or for all.
 
-Every candidate is judged by the plan's own dry run (:func:`~subnetdp.train.planreport.plan_report`),
+Every candidate is judged by the plan's own dry run (:func:`~subnetdp.plan.report.plan_report`),
 so "fits" means: the estimated peak tensor memory of one training step is at most the budget.
 Candidates are the coverages at which some group's kept-unit count changes (``n / K_g``), searched
 by bisection (memory grows with coverage; a masker plan may be invalid below some coverage, which
@@ -66,7 +66,7 @@ class BudgetSearch:
     """Dry runs of candidate configs, cached by their overrides."""
 
     def __init__(self, cfg: DictConfig, world_size: int, pm: Any) -> None:
-        from subnetdp.train.planreport import shape_plan
+        from subnetdp.plan.report import shape_plan
 
         self.cfg, self.world, self.pm = cfg, world_size, pm
         self.partition = shape_plan(cfg, world_size, pm)[4]
@@ -83,7 +83,7 @@ class BudgetSearch:
         ``probe_rank_coverage``: rank 0 keeps that coverage and every other rank the whole model,
         and only rank 0 is dry-run (one rank's peak as a function of its own coverage).
         """
-        from subnetdp.train.planreport import plan_report
+        from subnetdp.plan.report import plan_report
 
         key = (repr(sorted(overrides.items())), probe_rank_coverage)
         if key in self._cache:
@@ -221,7 +221,7 @@ def _remedy_answers(cfg: DictConfig, world_size: int, search: BudgetSearch,
 
 
 def format_budget(result: dict[str, Any]) -> str:
-    from subnetdp.train.planreport import human_bytes
+    from subnetdp.plan.report import human_bytes
 
     budgets = result["budgets"]
     shown = human_bytes(budgets[0]) if len(set(budgets)) == 1 else ", ".join(human_bytes(b) for b in budgets)

@@ -1,6 +1,6 @@
 """The dry run of a sharded rank (``fsdp.shard_size > 1``) for ``subnetdp plan``.
 
-As :mod:`subnetdp.train.dryrun`, but the rank's subnetwork goes through the real activation
+As :mod:`subnetdp.plan.dryrun`, but the rank's subnetwork goes through the real activation
 checkpointing and FSDP2 ``fully_shard`` over a real device mesh, in this one process posing as rank
 ``r`` of W through torch's *fake* process group (its collectives return at once and move nothing).
 The step runs under ``FakeTensorMode`` inside :class:`~subnetdp.parallel.fsdp.ShardedMemoryTracker`,
@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition
 from subnetdp.parallel.dryrun_comm import FakeGroupCommunicator, fake_mesh
-from subnetdp.train.dryrun import DryRunGuard, fake_rank_model, micro_batches
+from subnetdp.plan.dryrun import DryRunGuard, fake_rank_model, micro_batches
 from subnetdp.parallel.memory import live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import train_step

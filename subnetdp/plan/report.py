@@ -2,7 +2,7 @@
 
 The report holds the ranks x units ownership table, owner counts, the connectivity and spectral gap
 of the averaging graph, and per rank: parameters held, compute cost, and the peak memory and bytes
-per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.train.dryrun`).
+per step of one training step, from a dry run under FakeTensorMode (:mod:`subnetdp.plan.dryrun`).
 
 Only the data's shape is needed (:meth:`~subnetdp.core.contracts.DataModule.planning_spec`: from
 the dataset when it is on disk, from the config otherwise; the report says which). The full model
@@ -19,8 +19,9 @@ import torch
 from omegaconf import DictConfig
 
 from subnetdp.core.contracts import DataModule, DataSpec, ModelAdapter, Partition
-from subnetdp.train.dryrun import estimate_rank, fake_module
+from subnetdp.plan.dryrun import estimate_rank, fake_module
 from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.sync import uses_dense_sync
 
 SHOWN_RANKS = 32  # the text report lists every rank up to this many, then one line per distinct shape
@@ -45,7 +46,7 @@ def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, D
     masker = regs["masker"].create(cfg.masker.name, cfg.masker)
     replicas = config_mod.check_world(cfg, world_size)
     with torch.device("meta"):  # initialisers run as no-ops; nothing is allocated
-        full = adapter.build(spec)
+        full = build_model(adapter, spec)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     fake_module(full, fake)  # unit costs are measured by running blocks on fake tensors
     with fake:
@@ -70,7 +71,7 @@ def shape_key(partition: Partition, plan: MaskPlan, rank: int, shard: int = 1) -
 def estimator_for(cfg: DictConfig) -> Any:
     """The dry run of one rank: unsharded, or FSDP2 over torch's fake process group."""
     if int(cfg.fsdp.shard_size) > 1:
-        from subnetdp.train.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
+        from subnetdp.plan.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
 
         return estimate_sharded_rank
     return estimate_rank

@@ -9,7 +9,7 @@ shape and no storage, by the loop's own :func:`~subnetdp.train.step.train_step`.
 runs inside :class:`~subnetdp.parallel.memory.TensorMemoryTracker`, the same tracker and the same
 baseline (parameters, buffers, gradients, gradient buckets, optimizer state) the training loop uses
 on a CPU, so the estimate is the step the loop measures. Collectives
-go to :class:`~subnetdp.parallel.dryrun_comm.DryRunCommunicator`, which does nothing but count the payload.
+go to :class:`DryRunCommunicator`, which does nothing but count the payload.
 """
 
 from __future__ import annotations
@@ -20,14 +20,24 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from subnetdp.core.contracts import Communicator, DataSpec, ModelAdapter, ParamMap, Partition
-from subnetdp.parallel.dryrun_comm import DryRunCommunicator
+from subnetdp.core.contracts import Communicator, DataSpec, LaunchEnv, ModelAdapter, NullCommunicator, ParamMap, Partition
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import train_step
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.variants import is_backward, local_model
+
+
+class DryRunCommunicator(NullCommunicator):
+    """Rank ``rank`` of ``world_size`` in this one process, with no process group: the ``local``
+    communicator's do-nothing collectives, counting the payload each is handed."""
+
+    counts_bytes = True
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(None, LaunchEnv(rank, world_size, rank, world_size, "dry-run"))
 
 
 def fake_module(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
@@ -98,7 +108,7 @@ def fake_rank_model(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: 
     from subnetdp.parallel.checkpointing import apply_ac  # no process group involved
 
     with torch.device("meta"):
-        model, pmap = local_model(adapter, adapter.build(spec), plan.owned[rank], partition, cfg.masker)
+        model, pmap = local_model(adapter, build_model(adapter, spec), plan.owned[rank], partition, cfg.masker)
     fake_module(model, fake)
     model.train()
     return model, pmap, apply_ac(adapter.blocks(model), int(cfg.train.activation_checkpointing))
