@@ -69,7 +69,8 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
     """
     from omegaconf import OmegaConf
 
-    from subnetdp.core.config import compose, parse_overrides
+    from subnetdp.core.config import parse_overrides
+    from subnetdp.train.configure import load_config
 
     path = ck.verify_file(ckpt, "config.yaml", manifest)
     for item in data:
@@ -87,7 +88,7 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
             recipe = str(Path(tmp) / "config.yaml")
             OmegaConf.save(raw, recipe)
         try:
-            cfg = compose(recipe, ["resume=never", "launch.nproc=1", *data], pm.registries)
+            cfg = load_config(recipe, ["resume=never", "launch.nproc=1", *data], pm.registries)
         except SubnetdpError as e:
             where = "with the data given" if data else "with the installed plugins"
             raise CheckpointError(f"{path}: no longer a valid config {where} ({e})") from None

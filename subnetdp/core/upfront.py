@@ -5,8 +5,7 @@ Each turns a problem that would otherwise surface as one traceback per rank into
 
 - :func:`check_run_dir`: ``run.dir`` can be created and written;
 - :func:`check_batch_fits`: a batch fits into every rank's data shard;
-- :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA);
-- :func:`check_choices`: the keys added for stopping and final checkpoints hold valid choices.
+- :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA).
 
 :func:`finished_run` tells ``resume=auto`` that the run already did all its steps.
 """
@@ -22,16 +21,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from subnetdp.core.errors import ConfigError
-
-FINAL_CHOICES = ("auto", "always", "never")
-
-
-def check_choices(cfg: DictConfig) -> None:
-    final = str(cfg.checkpoint.final)
-    if final not in FINAL_CHOICES:
-        raise ConfigError("checkpoint.final", final, f"valid choices: {', '.join(FINAL_CHOICES)}",
-                          "auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")
-
 
 def check_run_dir(cfg: DictConfig) -> None:
     """``run.dir`` is (or can be made) a folder this process can write into."""

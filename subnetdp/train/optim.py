@@ -7,6 +7,15 @@ from typing import Any, Iterable
 
 import torch
 
+from subnetdp.core.errors import ConfigError
+
+
+def check_config(cfg: Any) -> None:
+    """``optim.betas``: two Adam betas in [0, 1). Single-key ranges are declared with the fields."""
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError("optim.betas", betas, "must be two numbers in [0, 1)", "write optim.betas=[0.9,0.999]")
+
 
 def build_optimizer(cfg: Any, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """``torch.optim`` by ``optim.name`` (``sgd``, ``adamw``, ``adam``)."""

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
 from tests.helpers import plugin_manager
 
 
 def cfg(*overrides: str, recipe: str | None = "resnet18_digits"):
-    return compose(recipe, list(overrides), plugin_manager().registries)
+    return load_config(recipe, list(overrides), plugin_manager().registries)
 
 
 def test_layers_compose_in_order():

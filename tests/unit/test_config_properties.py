@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from subnetdp.core.config import compose, digest, to_yaml
+from subnetdp.core.config import digest, to_yaml
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
 from tests.helpers import plugin_manager
 
@@ -28,7 +29,7 @@ def _leaves(d: dict, prefix: str = "") -> list[str]:
 
 
 REGISTRIES = plugin_manager().registries
-KNOWN = _leaves(OmegaConf.to_container(compose("resnet18_digits", [], REGISTRIES)))  # type: ignore[arg-type]
+KNOWN = _leaves(OmegaConf.to_container(load_config("resnet18_digits", [], REGISTRIES)))  # type: ignore[arg-type]
 SPECIAL = ["auto", "never", "cyclic", "random", "resnet50", "synthetic", "local", "cuda", "skip", "adamw", "model",
            "${seed}", "${nope}", "${train.steps}", "[1, 2", "[1, 2]", "{a: 1}", "null", "~", "''", "-1", "0", "1e309",
            ".nan", "-.inf", "true", "yes", "=", "a=b", "0x10", "1_000", "/no/such/checkpoint"]
@@ -56,7 +57,7 @@ def _names_a_given_key(error: ConfigError, given_keys: list[str]) -> bool:
 def test_any_overrides_give_a_valid_config_or_a_config_error_naming_the_key(pairs):
     items = [f"{k}={v}" for k, v in pairs]
     try:
-        cfg = compose("resnet18_digits", items, REGISTRIES)
+        cfg = load_config("resnet18_digits", items, REGISTRIES)
     except ConfigError as e:
         assert _names_a_given_key(e, [k for k, _ in pairs]), (items, e.key, str(e))
         return

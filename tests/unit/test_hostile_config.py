@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from subnetdp import cli
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
 from subnetdp.train.loop import preflight
 from tests.helpers import plugin_manager
@@ -30,7 +30,7 @@ CASES = {  # override -> the key its message must start with
 def test_bad_value_is_one_line_naming_its_key(override):
     pm = plugin_manager()
     with pytest.raises(ConfigError) as e:
-        preflight(compose("resnet18_digits", [override], pm.registries), 2, pm)
+        preflight(load_config("resnet18_digits", [override], pm.registries), 2, pm)
     msg = str(e.value)
     assert msg.startswith(CASES[override] + "=") and "\n" not in msg, msg
 
@@ -39,12 +39,12 @@ def test_recipe_group_given_a_list(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  name: resnet\nmasker: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"^masker=.*a list"):
-        compose(str(recipe), [], plugin_manager().registries)
+        load_config(str(recipe), [], plugin_manager().registries)
 
 
 def test_threads_above_the_cores_warn():
     with pytest.warns(UserWarning, match="launch.threads_per_rank"):
-        compose("resnet18_digits", ["launch.threads_per_rank=100000"], plugin_manager().registries)
+        load_config("resnet18_digits", ["launch.threads_per_rank=100000"], plugin_manager().registries)
 
 
 @pytest.mark.parametrize("argv, key", [(["plan", "resnet18_digits", "-n", "0", "--no-estimate"], "--world-size=0"),
@@ -54,3 +54,4 @@ def test_world_sizes_below_one_are_refused(argv, key, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"subnetdp: error: {key}:") and err.count("\n") == 1, err
+
