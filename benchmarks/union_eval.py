@@ -66,7 +66,7 @@ class Counted:
 def worker(rank: int, world: int, init_method: str, granularity: str, coverage: float) -> dict:
     pm = plugin_manager()
     cfg = load_config("resnet18_digits", [
-        "train.steps=2", "launch.nproc=1", "launch.threads_per_rank=1", "train.progress=false", "eval.every=0",
+        "train.steps=2", "optim.warmup_steps=2", "launch.nproc=1", "launch.threads_per_rank=1", "train.progress=false", "eval.every=0",
         "checkpoint.enabled=false", f"masker.granularity={granularity}", f"masker.coverage={coverage}",
         f"comm.init_method={init_method}", f"run.dir={init_method.removeprefix('file://')}-runs",
         f"run.name={granularity}"], pm.registries)

@@ -88,7 +88,9 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
             recipe = str(Path(tmp) / "config.yaml")
             OmegaConf.save(raw, recipe)
         try:
-            cfg = load_config(recipe, ["resume=never", "launch.nproc=1", *data], pm.registries)
+            # Training-only keys are neutral here: no resume, and no warm-up for a stored run shorter
+            # than its warm-up (refused for training since; the optimizer is never built here).
+            cfg = load_config(recipe, ["resume=never", "launch.nproc=1", "optim.warmup_steps=0", *data], pm.registries)
         except SubnetdpError as e:
             where = "with the data given" if data else "with the installed plugins"
             raise CheckpointError(f"{path}: no longer a valid config {where} ({e})") from None

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -24,6 +25,7 @@ from subnetdp.core.errors import ConfigError, suggest
 from subnetdp.core.fields import Bounds, check_declared, declared, doc
 
 PLUGIN_GROUPS = ("model", "masker", "comm", "data")
+MAX_THREADS_PER_RANK = 1024  # launch.threads_per_rank: more cores than any one node gives a rank
 
 
 @dataclass
@@ -46,14 +48,18 @@ class SyncConfig:
 @dataclass
 class OptimConfig:
     name: str = doc('torch.optim by name: sgd, adamw, adam', "sgd", choices=("sgd", "adamw", "adam"))
-    lr: float = doc('peak learning rate', 0.1, lo=0.0)
+    # 0 would train nothing: a run that cannot learn is a typo, not a setting.
+    lr: float = doc('peak learning rate', 0.1, lo=0.0, lo_open=True, fix="use e.g. 0.1 for SGD or 1e-3 for AdamW")
     momentum: float = doc('SGD momentum', 0.9, lo=0.0, hi=1.0, fix="0 turns momentum off; 0.9 is usual")
     nesterov: bool = doc('SGD Nesterov momentum', False)
     betas: list[float] = doc('Adam/AdamW betas (two numbers in [0, 1))', factory=lambda: [0.9, 0.999])
     eps: float = doc('Adam/AdamW epsilon', 1e-8, lo=0.0, lo_open=True, fix="1e-8 is usual")
-    weight_decay: float = doc('weight decay', 5e-4, lo=0.0, fix="0 turns weight decay off")
+    # At most 1: a coefficient above it outweighs any gradient (SGD's L2 term) or shrinks the weights
+    # by more than lr per step (AdamW's decoupled decay); published recipes use 1e-4 to 0.1.
+    weight_decay: float = doc('weight decay (at most 1)', 5e-4, lo=0.0, hi=1.0,
+                              fix="0 turns weight decay off; 5e-4 (SGD) or 0.1 (AdamW) is usual")
     schedule: str = doc('cosine or constant, after linear warm-up', "cosine", choices=("cosine", "constant"))
-    warmup_steps: int = doc('linear warm-up steps', 0, lo=0, fix="0 starts at the full learning rate")
+    warmup_steps: int = doc('linear warm-up steps (at most train.steps)', 0, lo=0, fix="0 starts at the full learning rate")
     clip_grad_norm: float = doc("clip the averaged gradient's global norm to this (0 = off)", 0.0, lo=0.0,
                                 fix="0 turns clipping off")
 
@@ -71,7 +77,9 @@ class TrainConfig:
     compile_backend: str = doc('inductor, aot_eager or eager', "inductor", choices=("inductor", "aot_eager", "eager"))
     device: str = doc('auto, cpu or cuda (cuda needs comm.name=nccl)', "auto", choices=("auto", "cpu", "cuda"))
     log_every: int = doc('steps between log lines (and world-mean losses)', 10, lo=1)
-    memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured", 2)
+    # Steps count from 1; one past train.steps measures the last step.
+    memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured (steps count from 1; "
+                           "beyond train.steps: the last)", 2, lo=1, fix="2 is the default (the first step warms up)")
     progress: bool = doc('progress bar on rank 0', True)
     on_nonfinite: str = doc('stop or skip: what an inf/NaN loss or gradient does', "stop", choices=("stop", "skip"))
     grad_alignment_every: int = doc("every N steps: cosine of SDP's averaged gradient with the full-batch DDP gradient (0 = off)", 0,
@@ -93,7 +101,8 @@ class EvalConfig:
     include_path: str = doc('a folder of lm-eval task YAML files (your own tasks, local data)', "")
     task_limit: float = doc('at most this many documents per task (a fraction if < 1; 0 = all)', 0.0, lo=0.0,
                             fix="0 evaluates every document")
-    num_fewshot: Optional[int] = doc("few-shot examples per task (empty: each task's own)", None)
+    num_fewshot: Optional[int] = doc("few-shot examples per task (empty: each task's own)", None, lo=0,
+                                     fix="0 asks for none; leave it empty for each task's own")
     task_batch_size: int = doc('batch size of the lm-eval requests', 16, lo=1)
     offline: bool = doc('never download task data: the datasets cache and local files only', False)
     block_union: str = doc('block-level forward masking: the union evaluated with each residual branch x its training keep rate k(u)/W (rescaled) or as it is (x1); docs/evidence.md', "rescaled",
@@ -104,13 +113,17 @@ class EvalConfig:
 @dataclass
 class LaunchConfig:
     nproc: int = doc('local workers started by subnetdp train', 1, lo=1)
-    threads_per_rank: int = doc('torch threads per rank (0 = the cores shared evenly)', 0, lo=0)
+    # A fixed cap, not the cores of the machine that composes (a login node for srun): more than any
+    # node has cores for one rank, so above it the number is a typo.
+    threads_per_rank: int = doc(f'torch threads per rank (0 = the cores shared evenly; at most {MAX_THREADS_PER_RANK})', 0,
+                                lo=0, hi=MAX_THREADS_PER_RANK, fix="0 shares the cores evenly among the local ranks")
 
 
 @dataclass
 class RunDirConfig:
     dir: str = doc('where run directories go', "runs")
-    name: str = doc("the run directory's name (empty: made on rank 0 with a timestamp)", "")
+    name: str = doc("the run directory's name: one folder name of printable characters (empty: made on rank 0 "
+                    "with a timestamp)", "")
     tensorboard: bool = doc('write TensorBoard events', True)
 
 
@@ -494,13 +507,19 @@ NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file system
 
 
 def _check_run_name(cfg: DictConfig) -> None:
-    """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too long."""
+    """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too
+    long, and no control characters (a newline would split every log line and shell command naming it)."""
     name = str(cfg.run.name)
     if not name:
         return
     fix = "use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)"
     if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
         raise ConfigError("run.name", name, f"would put the run outside run.dir={cfg.run.dir}", fix)
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise ConfigError("run.name", name[:80] + ("..." if len(name) > 80 else ""),
+                          f"holds the control character U+{ord(control):04X}; a run name is one line of "
+                          "printable characters", fix)
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         raise ConfigError("run.name", name[:40] + "...", f"is {len(name.encode('utf-8', 'surrogateescape'))} "
                           f"bytes long; a file name may have at most {NAME_MAX}", "use a shorter name")

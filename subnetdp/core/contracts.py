@@ -258,8 +258,10 @@ class CommConfig(PluginConfig):
     """Keys every communicator shares (``comm.*``)."""
 
     init_method: str = doc('torch.distributed init method (env:// under torchrun)', "env://")
-    timeout_s: float = doc('seconds the world has to assemble, and for each collective', 600.0,
-                           lo=0.0, lo_open=True, fix="600 is the default")
+    # Below a second a world cannot even assemble; beyond a week a hung collective is never reported
+    # (and near 1e308 the timedelta torch.distributed takes overflows).
+    timeout_s: float = doc('seconds the world has to assemble, and for each collective (1 s to 7 days)', 600.0,
+                           lo=1.0, hi=604800.0, fix="600 is the default")
 
 
 @dataclass

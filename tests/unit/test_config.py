@@ -17,7 +17,7 @@ def cfg(*overrides: str, recipe: str | None = "resnet18_digits"):
 
 
 def test_layers_compose_in_order():
-    c = cfg("masker.coverage=0.75", "train.steps=7")
+    c = cfg("masker.coverage=0.75", "train.steps=7", "optim.warmup_steps=7")
     assert c.masker.coverage == 0.75 and c.train.steps == 7  # command line wins
     assert c.optim.lr == 0.05  # from the recipe, over defaults.yaml's 0.1
     assert c.model.cifar_stem is True and c.model.variant == "resnet18"  # plugin schema mounted

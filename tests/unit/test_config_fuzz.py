@@ -38,7 +38,7 @@ from tests.helpers import plugin_manager
 SEED = int(os.environ.get("SUBNETDP_FUZZ_SEED", "16"))
 EXAMPLES = int(os.environ.get("SUBNETDP_FUZZ_EXAMPLES", "60"))
 TRAINED = 3  # accepted configs that really train one step; the rest stop after validation
-BASE = ["launch.nproc=2", "launch.threads_per_rank=1", "train.progress=false",
+BASE = ["launch.nproc=2", "launch.threads_per_rank=1", "train.progress=false", "optim.warmup_steps=0",
         "checkpoint.enabled=false", "eval.bn_recalibrate_batches=0", "train.log_every=1000"]
 PM = plugin_manager()
 
@@ -111,6 +111,7 @@ def test_fuzzed_config_is_refused_in_one_line_naming_a_key_or_trains(pairs, tmp_
     # One step, whatever the fuzzer set; run.dir/run.name last so the run stays in this test's folder.
     # In this one process: comm local, one rank, so coverage 1 (what C means for one rank).
     one = ["comm.name=local", "launch.nproc=1", "masker.coverage=1", "fsdp.shard_size=1", "train.steps=1",
+           "optim.warmup_steps=0",
            "eval.batches=1", f"run.dir={run_dir}", "run.name=f", "resume=never", "eval.every=0"]
     cfg = load_config("resnet18_digits", BASE + items + one, PM.registries)
     try:

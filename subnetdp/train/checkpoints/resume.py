@@ -66,8 +66,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def check_config(cfg: Any) -> None:
-    """``resume`` across keys: never, auto (with a fixed ``run.name``) or a checkpoint or run
-    directory; a re-drawn plan is not resumable."""
+    """``resume`` and ``checkpoint.*`` across keys: ``resume`` is never, auto (with a fixed
+    ``run.name``) or a checkpoint or run directory; a re-drawn plan is not resumable; and neither a
+    final checkpoint nor a resume is asked of a run that writes no checkpoints."""
     resume = str(cfg.resume)
     if resume not in ("never", "auto"):
         p = Path(resume)
@@ -82,6 +83,14 @@ def check_config(cfg: Any) -> None:
     if resume == "auto" and not cfg.run.name:
         raise ConfigError("resume", "auto", "needs a fixed run.name, so a restarted job finds its run directory",
                           "add run.name=NAME (the same on every start)")
+    if cfg.checkpoint.enabled:
+        return
+    if resume == "auto":  # it would find no checkpoint of its own, and so start over on every restart
+        raise ConfigError("resume", "auto", "finds the run's newest checkpoint, but checkpoint.enabled=false writes "
+                          "none, so every restart would start over", "set checkpoint.enabled=true, or resume=never")
+    if str(cfg.checkpoint.final) == "always":
+        raise ConfigError("checkpoint.final", "always", "asks for a final checkpoint, but checkpoint.enabled=false "
+                          "writes none", "set checkpoint.enabled=true, or checkpoint.final=auto")
 
 
 AUTO_FINAL_MIN_STEPS = 1000  # checkpoint.final=auto: runs this long keep their final checkpoint
