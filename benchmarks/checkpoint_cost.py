@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import setup
 from subnetdp.train.optim import build_optimizer, build_schedule
@@ -35,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(1)
     pm = PluginManager()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose("resnet18_digits", ["comm.name=local", "masker.coverage=1", "launch.nproc=1", f"run.dir={tmp}",
+        cfg = load_config("resnet18_digits", ["comm.name=local", "masker.coverage=1", "launch.nproc=1", f"run.dir={tmp}",
                                           "run.name=bench", "train.batch_size=32", "checkpoint.keep=0"], pm.registries)
         run = setup(cfg, LaunchEnv(0, 1, 0, 1, "bench"), pm)
         opt = build_optimizer(cfg.optim, run.model.parameters())

@@ -27,7 +27,7 @@ def _worker(rank: int, world: int, store: str, run_dir: str, args: dict, out: st
     import torch
 
     torch.set_num_threads(1)
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
     from subnetdp.core.contracts import LaunchEnv
     from subnetdp.core.plugins import PluginManager
     from subnetdp.train.checkpoints import resume
@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, store: str, run_dir: str, args: dict, out: st
 
     resume.Checkpointer.save = timed
     pm = PluginManager()
-    cfg = compose("resnet18_digits", [f"comm.init_method=file://{store}", f"run.dir={run_dir}", "run.name=bench",
+    cfg = load_config("resnet18_digits", [f"comm.init_method=file://{store}", f"run.dir={run_dir}", "run.name=bench",
                                       f"masker.coverage={args['coverage']}", f"train.steps={args['steps']}",
                                       "train.batch_size=8", "checkpoint.every=1", "checkpoint.keep=1",
                                       "eval.every=0", "eval.batches=1", "eval.bn_recalibrate_batches=0",

@@ -90,7 +90,7 @@ def bytes_per_step(gloo, rank: int) -> dict:
 
     from subnetdp.train.loop import build_plan
     from subnetdp.core.plugins import PluginManager
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
     from subnetdp.core.plan import make_plan
     from subnetdp.sdp.sync import OwnerGroupAverager
 
@@ -98,8 +98,8 @@ def bytes_per_step(gloo, rank: int) -> dict:
     out: dict = {"model": "resnet18 (CIFAR stem), digits 8x8, batch 16 per rank", "measured_world_size": 2}
 
     def config(coverage: float):
-        return compose("resnet18_digits", [f"masker.coverage={coverage}", "train.batch_size=16", "train.progress=false"],
-                       pm.registries)
+        return load_config("resnet18_digits", [f"masker.coverage={coverage}", "train.batch_size=16", "train.progress=false"],
+                           pm.registries)
 
     # DDP: every gradient bucket its comm hook sees is what it hands to the all-reduce.
     data, spec, adapter, full, partition, plan = build_plan(config(1.0), 2, pm)

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer, build_schedule
@@ -97,7 +97,7 @@ def _ddp_worker(rank: int, args: argparse.Namespace, run_dir: str, store: str, o
     """One rank of the DDP baseline: the loop of ``subnetdp.train.loop`` with DDP in place of SDP."""
     torch.set_num_threads(1)
     pm = PluginManager()
-    cfg = compose(RECIPE, _overrides(args, run_dir, "ddp", store), pm.registries)
+    cfg = load_config(RECIPE, _overrides(args, run_dir, "ddp", store), pm.registries)
     world, steps = args.world_size, args.steps
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -157,8 +157,8 @@ def _sdp_worker(rank: int, args: argparse.Namespace, coverage: float, group_by: 
 
     pm = PluginManager()
     name = f"sdp-c{coverage:g}"
-    cfg = compose(RECIPE, _overrides(args, run_dir, name, store)
-                  + [f"masker.coverage={coverage}", f"masker.group_by={group_by}"], pm.registries)
+    cfg = load_config(RECIPE, _overrides(args, run_dir, name, store)
+                      + [f"masker.coverage={coverage}", f"masker.group_by={group_by}"], pm.registries)
     env = LaunchEnv(rank, args.world_size, rank, args.world_size, "benchmark")
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")

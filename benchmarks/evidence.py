@@ -77,7 +77,7 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
     from subnetdp.train.loop import build_plan
     from subnetdp.core.plugins import PluginManager
     from subnetdp.sdp.variants import local_model
@@ -86,8 +86,8 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     full_fwd = full_train = None
     for row in ["DDP"] + [r for r in rows if r != "DDP"]:
-        cfg = compose(task.recipe, task.overrides_for(1, row_overrides(row, task) + _cache(task)),
-                      pm.registries)
+        cfg = load_config(task.recipe, task.overrides_for(1, row_overrides(row, task) + _cache(task)),
+                          pm.registries)
         data, spec, adapter, full, partition, plan = build_plan(cfg, task.world_size, pm)
         fwd, train = [], []
         for rank in range(task.world_size):

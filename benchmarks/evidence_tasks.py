@@ -56,8 +56,11 @@ class Task:
     coverages: tuple[float, ...] = field(default=(0.5,))
 
     def overrides_for(self, steps: int, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
-        """The task's overrides, the step count and ``extra`` (later ones win)."""
-        return [*self.overrides, f"launch.nproc={self.world_size}", f"train.steps={steps}", *extra]
+        """The task's overrides, the step count and ``extra`` (later ones win). A run shorter than the
+        task's warm-up (``--quick``) warms up over the whole run: a longer warm-up is refused."""
+        warmup = [int(o.split("=", 1)[1]) for o in self.overrides if o.startswith("optim.warmup_steps=")]
+        shorter = [f"optim.warmup_steps={steps}"] if warmup and warmup[-1] > steps else []
+        return [*self.overrides, f"launch.nproc={self.world_size}", f"train.steps={steps}", *shorter, *extra]
 
     def command(self, extra: list[str] | tuple[str, ...] = (), steps: int | None = None) -> list[str]:
         """``argv`` of ``subnetdp train`` for this task (the console script beside this Python)."""

@@ -76,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_memory  # noqa: E402  (benchmarks/ is not a package)
 
-from subnetdp.core.config import compose  # noqa: E402
+from subnetdp.train.configure import load_config  # noqa: E402
 from subnetdp.core.contracts import DataSpec  # noqa: E402
 from subnetdp.core.errors import PlanError  # noqa: E402
 from subnetdp.parallel.memory import live_state_bytes, training_state_tensors  # noqa: E402
@@ -236,8 +236,8 @@ class PeakBreakdown(ShardTracker):
 def measure(variant: str, setup: Setup, pm: PluginManager, comm: FakeCommunicator, precision: str,
             meshes: dict[tuple[int, int], Any], crosscheck: bool = True) -> dict:
     """Rank 0's peak tensor memory and collective bytes for one steady-state step of ``setup``."""
-    cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={setup.coverage}", f"model.loss_chunk={setup.chunk}"],
-                  pm.registries)
+    cfg = load_config(f"llama_{variant}_fineweb", [f"masker.coverage={setup.coverage}", f"model.loss_chunk={setup.chunk}"],
+                      pm.registries)
     assert int(cfg.launch.nproc) == WORLD
     batch, seq, R, S = int(cfg.train.batch_size), int(cfg.data.seq_len), setup.replicas, setup.shard
     spec = DataSpec(vocab_size=32_000, seq_len=seq)

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from subnetdp.core.config import compose  # noqa: E402
+from subnetdp.train.configure import load_config  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.train.loop import train  # noqa: E402
 from subnetdp.core.plugins import PluginManager  # noqa: E402
@@ -71,7 +71,7 @@ def check_collectives(comm_cls, name: str, device: torch.device) -> None:
 
 def run_loop(comm: str, device: str, tmp: Path, extra: list[str]) -> tuple:
     pm = PluginManager()
-    cfg = compose("resnet18_digits", ["train.steps=8", "train.batch_size=32", "train.log_every=2", "train.progress=false",
+    cfg = load_config("resnet18_digits", ["train.steps=8", "optim.warmup_steps=8", "train.batch_size=32", "train.log_every=2", "train.progress=false",
                                       "masker.coverage=1", "eval.batches=2", "eval.bn_recalibrate_batches=0",
                                       "launch.nproc=1", "launch.threads_per_rank=1", f"comm.name={comm}",
                                       f"train.device={device}", f"run.dir={tmp}", f"run.name={comm}-{device}", *extra],

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.plan.dryrun import DryRunCommunicator
 from subnetdp.core.contracts import DataSpec
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
@@ -44,7 +44,7 @@ REPORTED = {("1b", 0.69, "B-SDP"): -0.28, ("500m", 0.5, "B-SDP"): -0.40}  # the 
 
 def measure(variant: str, coverage: float, pm: PluginManager, granularity: str = "block") -> dict:
     """Rank 0's peak tensor memory for one steady-state step of the recipe of ``variant``."""
-    cfg = compose(f"llama_{variant}_fineweb", [f"masker.coverage={coverage}"], pm.registries)
+    cfg = load_config(f"llama_{variant}_fineweb", [f"masker.coverage={coverage}"], pm.registries)
     world, batch, seq = int(cfg.launch.nproc), int(cfg.train.batch_size), int(cfg.data.seq_len)
     spec = DataSpec(vocab_size=32_000, seq_len=seq)
     adapter = pm.get("model", "llama")(cfg.model)

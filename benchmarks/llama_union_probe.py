@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from subnetdp.core.config import compose  # noqa: E402
+from subnetdp.train.configure import load_config  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.train.loop import train_loop, setup  # noqa: E402
 from subnetdp.sdp.union import assemble_union, evaluate  # noqa: E402
@@ -46,7 +46,7 @@ def scaled(union: torch.nn.Module, s: float) -> torch.nn.Module:
 
 
 def worker(rank: int, world: int, init_method: str, cache: str, steps: int) -> dict:
-    cfg = compose("llama_tiny_stdlib", [
+    cfg = load_config("llama_tiny_stdlib", [
         f"train.steps={steps}", f"comm.init_method={init_method}", f"data.cache_dir={cache}", "run.name=probe",
         f"run.dir={init_method.removeprefix('file://')}-runs", "train.progress=false", "eval.every=0",
         "launch.threads_per_rank=1", "train.log_every=1000"], plugin_manager().registries)

@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, store: str, recipe: str, overrides: list[str], 
     import torch
 
     torch.set_num_threads(1)
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
     from subnetdp.core.contracts import LaunchEnv
     from subnetdp.core.plugins import PluginManager
     from subnetdp.train import loop
@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, store: str, recipe: str, overrides: list[str], 
     from subnetdp.train.optim import build_optimizer, build_schedule
 
     pm = PluginManager()
-    cfg = compose(recipe, overrides + [f"comm.init_method=file://{store}"], pm.registries)
+    cfg = load_config(recipe, overrides + [f"comm.init_method=file://{store}"], pm.registries)
     # The baseline holds the libraries and the data set-up loads (not the model): import them first.
     import torch.utils.tensorboard  # noqa: F401
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from subnetdp.core.config import compose  # noqa: E402
+from subnetdp.train.configure import load_config  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.sdp.union import (StreamedUnion, assemble_union, evaluate, evaluate_union,  # noqa: E402
@@ -65,8 +65,8 @@ class Counted:
 
 def worker(rank: int, world: int, init_method: str, granularity: str, coverage: float) -> dict:
     pm = plugin_manager()
-    cfg = compose("resnet18_digits", [
-        "train.steps=2", "launch.nproc=1", "launch.threads_per_rank=1", "train.progress=false", "eval.every=0",
+    cfg = load_config("resnet18_digits", [
+        "train.steps=2", "optim.warmup_steps=2", "launch.nproc=1", "launch.threads_per_rank=1", "train.progress=false", "eval.every=0",
         "checkpoint.enabled=false", f"masker.granularity={granularity}", f"masker.coverage={coverage}",
         f"comm.init_method={init_method}", f"run.dir={init_method.removeprefix('file://')}-runs",
         f"run.name={granularity}"], pm.registries)

@@ -49,7 +49,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torchvision.ops import StochasticDepth
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer, build_schedule
@@ -115,7 +115,7 @@ def _ddp_worker(rank: int, world: int, args: argparse.Namespace, kind: str, keep
     """One rank of DDP (optionally regularised): subnetdp's loop with DDP in place of SDP."""
     torch.set_num_threads(1)
     pm = PluginManager()
-    cfg = compose(RECIPE, _overrides(args, world, run_dir, kind, store), pm.registries)
+    cfg = load_config(RECIPE, _overrides(args, world, run_dir, kind, store), pm.registries)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     data = pm.registries["data"].get(cfg.data.name)(cfg.data, seed=int(cfg.seed))
@@ -169,8 +169,8 @@ def _sdp_worker(rank: int, world: int, args: argparse.Namespace, variant: str, c
     granularity, regime = SDP[variant]
     pm = PluginManager()
     name = f"{variant}-c{coverage}-w{world}"
-    cfg = compose(RECIPE, _overrides(args, world, run_dir, name, store)
-                  + [f"masker.granularity={granularity}", f"masker.regime={regime}", f"masker.coverage={coverage}",
+    cfg = load_config(RECIPE, _overrides(args, world, run_dir, name, store)
+                      + [f"masker.granularity={granularity}", f"masker.regime={regime}", f"masker.coverage={coverage}",
                      f"masker.group_by={group_by(granularity, coverage)}"],
                   pm.registries)
     run = train(cfg, LaunchEnv(rank, world, rank, world, "benchmark"), pm)

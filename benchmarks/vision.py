@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from subnetdp.core.config import compose  # noqa: E402
+from subnetdp.train.configure import load_config  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors  # noqa: E402
 from subnetdp.train.optim import build_optimizer, build_schedule  # noqa: E402
@@ -101,7 +101,7 @@ def step_peak(adapter: Any, full: torch.nn.Module, partition: Any, owned: list[i
 def memory_table(batch: int, pm: PluginManager, world: int = 4) -> list[dict]:
     rows = []
     for label, overrides in MEMORY_MODELS.items():
-        cfg = compose(None, overrides + ["data.name=synthetic", "data.image_size=32", "data.in_channels=3",
+        cfg = load_config(None, overrides + ["data.name=synthetic", "data.image_size=32", "data.in_channels=3",
                                          "data.num_classes=10"], pm.registries)
         spec = pm.get("data", "synthetic")(cfg.data).spec()
         adapter = pm.get("model", cfg.model.name)(cfg.model)
@@ -133,7 +133,7 @@ def memory_table(batch: int, pm: PluginManager, world: int = 4) -> list[dict]:
 def _sdp_run(rank: int, world: int, init: str, overrides: list[str]) -> dict:
     from subnetdp.train.loop import train
 
-    cfg = compose(None, overrides + [f"comm.init_method={init}"], PluginManager().registries)
+    cfg = load_config(None, overrides + [f"comm.init_method={init}"], PluginManager().registries)
     t0 = time.perf_counter()
     run = train(cfg, LaunchEnv(rank, world, rank, world, "benchmark"))
     mine = run.summary["ranks"][rank]
@@ -149,7 +149,7 @@ def _ddp_run(rank: int, world: int, init: str, overrides: list[str]) -> dict:
     from subnetdp.sdp.union import evaluate
 
     pm = PluginManager()
-    cfg = compose(None, overrides, pm.registries)
+    cfg = load_config(None, overrides, pm.registries)
     data = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed))
     adapter = pm.get("model", cfg.model.name)(cfg.model)
     t0 = time.perf_counter()
@@ -215,7 +215,7 @@ def flop_fraction(overrides: list[str], world: int = 2) -> float:
     from subnetdp.sdp.variants import local_model, partition_model
 
     pm = PluginManager()
-    cfg = compose(None, overrides, pm.registries)
+    cfg = load_config(None, overrides, pm.registries)
     spec = pm.get("data", cfg.data.name)(cfg.data, seed=int(cfg.seed)).spec()
     adapter = pm.get("model", cfg.model.name)(cfg.model)
     torch.manual_seed(int(cfg.seed))

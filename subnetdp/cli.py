@@ -26,13 +26,14 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from subnetdp.core.config import compose, default_run_name
+    from subnetdp.core.config import default_run_name
+    from subnetdp.train.configure import load_config
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers import detect
 
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
-    cfg = compose(recipe, overrides, pm.registries)
+    cfg = load_config(recipe, overrides, pm.registries)
     if ns.print_config:
         from subnetdp.core.config import to_yaml
 
@@ -83,7 +84,7 @@ def _already_finished(cfg, env) -> bool:
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
     from subnetdp.core.errors import ConfigError
     from subnetdp.train.loop import preflight
     from subnetdp.core.plugins import PluginManager
@@ -93,7 +94,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
-    cfg = compose(recipe, overrides, pm.registries)
+    cfg = load_config(recipe, overrides, pm.registries)
     if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
         raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
                           "use --launcher mpirun, or comm.name=gloo")
@@ -104,7 +105,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
     from subnetdp.train.meter import plan_figure
     from subnetdp.core.plan import MaskPlan
     from subnetdp.plan.report import format_report, plan_report
@@ -113,7 +114,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
-    cfg = compose(recipe, overrides, pm.registries)
+    cfg = load_config(recipe, overrides, pm.registries)
     world = int(cfg.launch.nproc if ns.world_size is None else ns.world_size)
     if world < 1:
         raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")

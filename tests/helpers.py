@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import ParamMap
 from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
@@ -32,7 +32,7 @@ def small_config(*overrides: str, recipe: str | None = "resnet18_digits", run_di
     base = ["train.progress=false", "launch.nproc=1", "launch.threads_per_rank=1", f"run.dir={run_dir}",
             "eval.bn_recalibrate_batches=0", "train.log_every=1000", "optim.warmup_steps=0",
             "checkpoint.enabled=false"]  # tests that need checkpoints turn them back on
-    return compose(recipe, base + list(overrides), plugin_manager().registries)
+    return load_config(recipe, base + list(overrides), plugin_manager().registries)
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, out: str, args: Sequence[Any]) -> None:

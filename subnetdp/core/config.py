@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -19,11 +20,12 @@ from typing import Any, Iterable, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from subnetdp.core.contracts import CommConfig, DataConfig, MaskerConfig, ModelConfig, doc
+from subnetdp.core.contracts import CommConfig, DataConfig, MaskerConfig, ModelConfig
 from subnetdp.core.errors import ConfigError, suggest
-from subnetdp.core.plan import GROUP_BY
+from subnetdp.core.fields import Bounds, check_declared, declared, doc
 
 PLUGIN_GROUPS = ("model", "masker", "comm", "data")
+MAX_THREADS_PER_RANK = 1024  # launch.threads_per_rank: more cores than any one node gives a rank
 
 
 @dataclass
@@ -31,74 +33,97 @@ class SyncConfig:
     """``sync.*``: owner-group buckets; ``mode=local_steps`` synchronises every ``every`` steps
     (docs/local_steps.md)."""
 
-    bucket_cap_mb: float = doc('gradient bucket size (MiB) of the owner-group all-reduces', 25.0)
-    max_groups: int = doc('most distinct owner sets before the synchroniser falls back to dense averaging', 64)
-    mode: str = doc('every_step or local_steps (owners average parameter deltas every sync.every steps, DiLoCo-style)', "every_step")
-    every: int = doc('local_steps: inner steps per synchronisation (H)', 16)
-    outer_lr: float = doc('local_steps: outer SGD learning rate (1 with momentum 0 = plain averaging, the default; DiLoCo: 0.7)', 1.0)
-    outer_momentum: float = doc('local_steps: outer Nesterov momentum (DiLoCo: 0.9, for runs of many outer steps)', 0.0)
+    bucket_cap_mb: float = doc('gradient bucket size (MiB) of the owner-group all-reduces', 25.0, lo=0.0, lo_open=True)
+    max_groups: int = doc('most distinct owner sets before the synchroniser falls back to dense averaging', 64, lo=1)
+    mode: str = doc('every_step or local_steps (owners average parameter deltas every sync.every steps, DiLoCo-style)', "every_step",
+                    choices=("every_step", "local_steps"))
+    every: int = doc('local_steps: inner steps per synchronisation (H)', 16, lo=1, fix="1 synchronises after every step")
+    outer_lr: float = doc('local_steps: outer SGD learning rate (1 with momentum 0 = plain averaging, the default; DiLoCo: 0.7)', 1.0,
+                          lo=0.0, lo_open=True, fix="1 with sync.outer_momentum=0 is plain averaging")
+    outer_momentum: float = doc('local_steps: outer Nesterov momentum (DiLoCo: 0.9, for runs of many outer steps)', 0.0,
+                                lo=0, hi=1, hi_open=True, fix="0 turns outer momentum off; DiLoCo uses 0.9")
     outer_on_host: bool = doc('local_steps: keep the outer state (anchor, momentum) in host memory', False)
 
 
 @dataclass
 class OptimConfig:
-    name: str = doc('torch.optim by name: sgd, adamw, adam', "sgd")
-    lr: float = doc('peak learning rate', 0.1)
-    momentum: float = doc('SGD momentum', 0.9)
+    name: str = doc('torch.optim by name: sgd, adamw, adam', "sgd", choices=("sgd", "adamw", "adam"))
+    # 0 would train nothing: a run that cannot learn is a typo, not a setting.
+    lr: float = doc('peak learning rate', 0.1, lo=0.0, lo_open=True, fix="use e.g. 0.1 for SGD or 1e-3 for AdamW")
+    momentum: float = doc('SGD momentum', 0.9, lo=0.0, hi=1.0, fix="0 turns momentum off; 0.9 is usual")
     nesterov: bool = doc('SGD Nesterov momentum', False)
-    betas: list[float] = doc('Adam/AdamW betas', factory=lambda: [0.9, 0.999])
-    eps: float = doc('Adam/AdamW epsilon', 1e-8)
-    weight_decay: float = doc('weight decay', 5e-4)
-    schedule: str = doc('cosine or constant, after linear warm-up', "cosine")
-    warmup_steps: int = doc('linear warm-up steps', 0)
-    clip_grad_norm: float = doc("clip the averaged gradient's global norm to this (0 = off)", 0.0)
+    betas: list[float] = doc('Adam/AdamW betas (two numbers in [0, 1))', factory=lambda: [0.9, 0.999])
+    eps: float = doc('Adam/AdamW epsilon', 1e-8, lo=0.0, lo_open=True, fix="1e-8 is usual")
+    # At most 1: a coefficient above it outweighs any gradient (SGD's L2 term) or shrinks the weights
+    # by more than lr per step (AdamW's decoupled decay); published recipes use 1e-4 to 0.1.
+    weight_decay: float = doc('weight decay (at most 1)', 5e-4, lo=0.0, hi=1.0,
+                              fix="0 turns weight decay off; 5e-4 (SGD) or 0.1 (AdamW) is usual")
+    schedule: str = doc('cosine or constant, after linear warm-up', "cosine", choices=("cosine", "constant"))
+    warmup_steps: int = doc('linear warm-up steps (at most train.steps)', 0, lo=0, fix="0 starts at the full learning rate")
+    clip_grad_norm: float = doc("clip the averaged gradient's global norm to this (0 = off)", 0.0, lo=0.0,
+                                fix="0 turns clipping off")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = doc('optimizer steps', 100)
-    batch_size: int = doc('batch size per rank (per micro-batch)', 32)
-    grad_accum: int = doc('micro-batches per optimizer step', 1)
-    precision: str = doc("fp32 or bf16 (autocast; FSDP2's MixedPrecisionPolicy when sharded)", "fp32")
-    activation_checkpointing: int = doc('k: recompute every k-th materialised block in backward; 0 = off', 0)
+    steps: int = doc('optimizer steps', 100, lo=1)
+    batch_size: int = doc('batch size per rank (per micro-batch)', 32, lo=1)
+    grad_accum: int = doc('micro-batches per optimizer step', 1, lo=1)
+    precision: str = doc("fp32 or bf16 (autocast; FSDP2's MixedPrecisionPolicy when sharded)", "fp32",
+                         choices=("fp32", "bf16"))
+    activation_checkpointing: int = doc('k: recompute every k-th materialised block in backward; 0 = off', 0, lo=0,
+                                        fix="0 turns it off, 1 checkpoints every block")
     compile: bool = doc('torch.compile each materialised block', False)
-    compile_backend: str = doc('inductor, aot_eager or eager', "inductor")
-    device: str = doc('auto, cpu or cuda (cuda needs comm.name=nccl)', "auto")
-    log_every: int = doc('steps between log lines (and world-mean losses)', 10)
-    memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured", 2)
+    compile_backend: str = doc('inductor, aot_eager or eager', "inductor", choices=("inductor", "aot_eager", "eager"))
+    device: str = doc('auto, cpu or cuda (cuda needs comm.name=nccl)', "auto", choices=("auto", "cpu", "cuda"))
+    log_every: int = doc('steps between log lines (and world-mean losses)', 10, lo=1)
+    # Steps count from 1; one past train.steps measures the last step.
+    memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured (steps count from 1; "
+                           "beyond train.steps: the last)", 2, lo=1, fix="2 is the default (the first step warms up)")
     progress: bool = doc('progress bar on rank 0', True)
-    on_nonfinite: str = doc('stop or skip: what an inf/NaN loss or gradient does', "stop")
-    grad_alignment_every: int = doc("every N steps: cosine of SDP's averaged gradient with the full-batch DDP gradient (0 = off)", 0)
+    on_nonfinite: str = doc('stop or skip: what an inf/NaN loss or gradient does', "stop", choices=("stop", "skip"))
+    grad_alignment_every: int = doc("every N steps: cosine of SDP's averaged gradient with the full-batch DDP gradient (0 = off)", 0,
+                                    lo=0, fix="0 turns the probe off")
 
 
 @dataclass
 class EvalConfig:
-    every: int = doc('steps between union-model evaluations (0 = at the end only)', 0)
-    batches: int = doc('evaluation batches (0 = the whole held-out split)', 0)
-    batch_size: int = doc('evaluation batch size', 256)
-    bn_recalibrate_batches: int = doc('training batches that recalibrate BatchNorm statistics of the union model', 20)
+    every: int = doc('steps between union-model evaluations (0 = at the end only)', 0, lo=0,
+                     fix="0 evaluates only at the end")
+    batches: int = doc('evaluation batches (0 = the whole held-out split)', 0, lo=0,
+                       fix="0 evaluates the whole held-out split")
+    batch_size: int = doc('evaluation batch size', 256, lo=1, fix="256 is the default")
+    bn_recalibrate_batches: int = doc('training batches that recalibrate BatchNorm statistics of the union model', 20,
+                                      lo=0, fix="0 keeps the averaged statistics")
     # Downstream tasks of lm-evaluation-harness on the union model at every evaluation (language
     # models; needs subnetdp[eval]); see docs/downstream.md.
     tasks: list[str] = doc('lm-evaluation-harness tasks run on the union model at every evaluation (language models; subnetdp[eval])', factory=list)
     include_path: str = doc('a folder of lm-eval task YAML files (your own tasks, local data)', "")
-    task_limit: float = doc('at most this many documents per task (a fraction if < 1; 0 = all)', 0.0)
-    num_fewshot: Optional[int] = doc("few-shot examples per task (empty: each task's own)", None)
-    task_batch_size: int = doc('batch size of the lm-eval requests', 16)
+    task_limit: float = doc('at most this many documents per task (a fraction if < 1; 0 = all)', 0.0, lo=0.0,
+                            fix="0 evaluates every document")
+    num_fewshot: Optional[int] = doc("few-shot examples per task (empty: each task's own)", None, lo=0,
+                                     fix="0 asks for none; leave it empty for each task's own")
+    task_batch_size: int = doc('batch size of the lm-eval requests', 16, lo=1)
     offline: bool = doc('never download task data: the datasets cache and local files only', False)
-    block_union: str = doc('block-level forward masking: the union evaluated with each residual branch x its training keep rate k(u)/W (rescaled) or as it is (x1); docs/evidence.md', "rescaled")
+    block_union: str = doc('block-level forward masking: the union evaluated with each residual branch x its training keep rate k(u)/W (rescaled) or as it is (x1); docs/evidence.md', "rescaled",
+                           choices=("rescaled", "x1"))
     breakdown: bool = doc("at the last step also evaluate the union at x1 and rescaled and every rank's own subnetwork (summary.json eval_union)", False)
 
 
 @dataclass
 class LaunchConfig:
-    nproc: int = doc('local workers started by subnetdp train', 1)
-    threads_per_rank: int = doc('torch threads per rank (0 = the cores shared evenly)', 0)
+    nproc: int = doc('local workers started by subnetdp train', 1, lo=1)
+    # A fixed cap, not the cores of the machine that composes (a login node for srun): more than any
+    # node has cores for one rank, so above it the number is a typo.
+    threads_per_rank: int = doc(f'torch threads per rank (0 = the cores shared evenly; at most {MAX_THREADS_PER_RANK})', 0,
+                                lo=0, hi=MAX_THREADS_PER_RANK, fix="0 shares the cores evenly among the local ranks")
 
 
 @dataclass
 class RunDirConfig:
     dir: str = doc('where run directories go', "runs", writes=True)
-    name: str = doc("the run directory's name (empty: made on rank 0 with a timestamp)", "")
+    name: str = doc("the run directory's name: one folder name of printable characters (empty: made on rank 0 "
+                    "with a timestamp)", "")
     tensorboard: bool = doc('write TensorBoard events', True)
 
 
@@ -107,9 +132,11 @@ class CheckpointConfig:
     """``checkpoint.*``: see docs/checkpoints.md."""
 
     enabled: bool = doc('write checkpoints (docs/checkpoints.md)', True)
-    every: int = doc('steps between checkpoints (0 = only at the end)', 0)
-    keep: int = doc('newest complete checkpoints kept (0 = all)', 2)
-    final: str = doc('auto, always or never: the checkpoint after the last step (auto: when checkpoint.every > 0, resume is not never, or train.steps >= 1000)', "auto")
+    every: int = doc('steps between checkpoints (0 = only at the end)', 0, lo=0, fix="0 saves only at the end")
+    keep: int = doc('newest complete checkpoints kept (0 = all)', 2, lo=0, fix="0 keeps every checkpoint")
+    final: str = doc('auto, always or never: the checkpoint after the last step (auto: when checkpoint.every > 0, resume is not never, or train.steps >= 1000)', "auto",
+                     choices=("auto", "always", "never"),
+                     fix="auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")
 
 
 @dataclass
@@ -118,7 +145,7 @@ class FSDPConfig:
 
     shard_size: int = doc(
         'S: ranks that hold one subnetwork shard it with FSDP2 (world = replicas x S); 1 = no FSDP',
-        1)
+        1, lo=1, fix="1 turns FSDP off")
     reshard_after_forward: bool = doc('ZeRO-3; false keeps the gathered block until backward (ZeRO-2)', True)
     reduce_each_micro_batch: bool = doc(
         'with train.grad_accum > 1; false: one reduce-scatter per step, more memory',
@@ -170,27 +197,27 @@ def documented_keys() -> list[tuple[str, str, str, str]]:
     return sorted(rows, key=lambda r: (r[0].count(".") > 0, r[0]))
 
 
+def declared_keys(cfg: DictConfig | None = None, registries: dict[str, Any] | None = None) -> dict[str, Bounds]:
+    """Every key that declares a range or choices, with them: the run schema's, and for each plugin
+    group the selected plugin's ``Config`` (given a composed ``cfg`` and the registries) or else the
+    group's shared schema."""
+    found = dict(declared(RunConfig, "", _SECTIONS))
+    for group, cls in SHARED_PLUGIN_SCHEMAS.items():
+        if cfg is not None and registries is not None:
+            cls = registries[group].get(cfg[group].name).Config
+        if dataclasses.is_dataclass(cls):
+            found.update(declared(cls, f"{group}."))
+    return found
+
+
 def key_table() -> str:
     """The README's configuration table, generated from the schema (``python -m subnetdp.core.config``)."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    valid = {key: bounds.text() for key, bounds in declared_keys().items()}
+    lines = ["| key | type | default | valid | meaning |", "|---|---|---|---|---|"]
     for key, kind, default, text in documented_keys():
-        lines.append(f"| `{key}` | {kind} | {f'`{default}`' if default else ''} | {text} |")
+        shown = f"`{valid[key]}`" if key in valid else ""
+        lines.append(f"| `{key}` | {kind} | {f'`{default}`' if default else ''} | {shown} | {text} |")
     return "\n".join(lines)
-
-
-CHOICES = {
-    "masker.granularity": ("block", "neuron"),
-    "masker.regime": ("forward", "backward"),
-    "masker.group_by": GROUP_BY,  # every masker shares the key: checked here, once
-    "optim.name": ("sgd", "adamw", "adam"),
-    "optim.schedule": ("cosine", "constant"),
-    "train.precision": ("fp32", "bf16"),
-    "train.compile_backend": ("inductor", "aot_eager", "eager"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.on_nonfinite": ("stop", "skip"),
-    "sync.mode": ("every_step", "local_steps"),
-    "eval.block_union": ("rescaled", "x1"),
-}
 
 
 def config_root() -> Path:
@@ -346,7 +373,11 @@ def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictC
 
 def compose(recipe: str | None = None, overrides: Sequence[str] = (),
             registries: dict[str, Any] | None = None) -> DictConfig:
-    """Build the resolved, validated run config.
+    """Build the resolved run config and check what the contracts say of it (:func:`validate`).
+
+    Rules across keys that belong to a subsystem (FSDP, local steps, checkpoints, rendezvous,
+    downstream tasks) are checked beside that subsystem: :func:`subnetdp.train.configure.load_config`
+    composes and runs them all, and is what commands and tests call.
 
     Args:
         recipe: a recipe file or built-in recipe name, or None.
@@ -428,57 +459,28 @@ def check_sections(layer: DictConfig, top: DictConfig, source: str) -> None:
                               f"write e.g. {key}={OmegaConf.select(top, str(key))}")
 
 
-def _check_choice(cfg: DictConfig, key: str, choices: Iterable[str]) -> None:
-    value = OmegaConf.select(cfg, key)
-    choices = tuple(choices)
-    if value not in choices:
-        raise ConfigError(key, value, f"valid choices: {', '.join(choices)}" + suggest(str(value), choices))
-
-
-def _check_range(cfg: DictConfig, key: str, lo: float | None, hi: float | None, lo_open: bool = False,
-                 fix: str = "") -> None:
-    value = OmegaConf.select(cfg, key)
-    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi)
-    if bad:
-        lo_s = "" if lo is None else ("(" if lo_open else "[") + str(lo)
-        hi_s = "" if hi is None else str(hi) + "]"
-        raise ConfigError(key, value, f"must be in {lo_s}, {hi_s}".replace(" ,", ",") if lo is not None and hi is not None
-                          else f"must be {'>' if lo_open else '>='} {lo}", fix)
+def _check_declared(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """Every range and choice that a field declares with it: the run's sections and each selected
+    plugin's ``Config`` (whose shared fields come from the group's base schema)."""
+    check_declared(cfg, RunConfig, "", _SECTIONS)
+    for group in PLUGIN_GROUPS:
+        schema = registries[group].get(cfg[group].name).Config
+        if dataclasses.is_dataclass(schema):
+            check_declared(cfg[group], schema, f"{group}.")
 
 
 def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
-    """Range and choice checks, then each selected plugin's own ``validate_config``."""
-    for key, choices in CHOICES.items():
-        _check_choice(cfg, key, choices)
-    _check_range(cfg, "masker.coverage", 0.0, 1.0, lo_open=True, fix="use a coverage such as 0.5 (1 = plain DDP)")
-    _check_range(cfg, "masker.min_owners", 1, None)
-    _check_masker_counts(cfg)
-    _check_range(cfg, "train.steps", 1, None)
-    _check_range(cfg, "train.batch_size", 1, None)
-    _check_range(cfg, "train.grad_accum", 1, None)
-    _check_range(cfg, "train.log_every", 1, None)
-    _check_range(cfg, "optim.lr", 0.0, None)
-    _check_range(cfg, "sync.bucket_cap_mb", 0.0, None, lo_open=True)
-    _check_range(cfg, "sync.max_groups", 1, None)
-    _check_range(cfg, "launch.nproc", 1, None)
-    _check_range(cfg, "launch.threads_per_rank", 0, None)
-    _check_range(cfg, "train.activation_checkpointing", 0, None, fix="0 turns it off, 1 checkpoints every block")
+    """What the contracts say of a composed config: declared ranges and choices, finite numbers, a
+    run name that is one folder, what the model adapter implements, each selected plugin's own
+    ``validate_config``, and data the model can train on.
+
+    Each subsystem's rules across keys (FSDP, local steps, checkpoints and resume, rendezvous,
+    downstream tasks, the optimizer's) live beside that subsystem; ``subnetdp.train.configure``
+    runs them after this.
+    """
+    _check_declared(cfg, registries)
     check_numbers(cfg)
-    check_optim_values(cfg)
-    check_eval_values(cfg)
-    check_comm_values(cfg)
-    check_resume_path(cfg)
-    _check_checkpoint_keys(cfg)
-    _check_added_keys(cfg)
     _check_run_name(cfg)
-    _check_fsdp(cfg, registries["comm"].get(cfg.comm.name))
-    _check_local_steps(cfg)
-    _check_eval_tasks(cfg, registries)
-    _check_range(cfg, "train.grad_alignment_every", 0, None, fix="0 turns the probe off")
-    if int(cfg.train.grad_alignment_every) and int(cfg.fsdp.shard_size) > 1:
-        raise ConfigError("train.grad_alignment_every", int(cfg.train.grad_alignment_every),
-                          f"the probe needs whole gradients, and fsdp.shard_size={int(cfg.fsdp.shard_size)} shards them",
-                          "use fsdp.shard_size=1 for the probe, or train.grad_alignment_every=0")
     adapter = registries["model"].get(cfg.model.name)
     _check_regularizers(cfg, adapter)
     if cfg.masker.granularity not in adapter.granularities:
@@ -491,121 +493,36 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     warn_threads(cfg)
 
 
-def _check_eval_tasks(cfg: DictConfig, registries: dict[str, Any]) -> None:
-    """``eval.tasks`` needs lm-eval and a language model (task names are checked by the loop's set-up)."""
-    tasks = list(cfg.eval.tasks)
-    if not tasks:
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError("eval.tasks", tasks, "needs lm-evaluation-harness, which is not installed",
-                          "pip install 'subnetdp[eval]', or eval.tasks=[]")
-    if not registries["data"].get(cfg.data.name).has_tokenizer():
-        raise ConfigError("eval.tasks", tasks, f"data '{cfg.data.name}' has no tokenizer to turn task text into tokens",
-                          "use a language-model dataset such as data.name=tokens, or eval.tasks=[]")
-    _check_range(cfg, "eval.task_limit", 0.0, None, fix="0 evaluates every document")
-    _check_range(cfg, "eval.task_batch_size", 1, None)
-
-
 def _check_regularizers(cfg: DictConfig, adapter: Any) -> None:
-    """``model.stochastic_depth`` / ``model.hidden_dropout``: drop probabilities in [0, 1) that the
-    model adapter implements."""
+    """``model.stochastic_depth`` / ``model.hidden_dropout`` (ranges declared in ``ModelConfig``): set
+    only where the model adapter implements them."""
     for key in ("stochastic_depth", "hidden_dropout"):
         value = OmegaConf.select(cfg, f"model.{key}", default=0.0) or 0.0
-        if not 0.0 <= float(value) < 1.0:
-            raise ConfigError(f"model.{key}", value, "is a drop probability and must be in [0, 1)",
-                              f"use e.g. model.{key}=0.5 for a keep rate of 0.5 (0 turns it off)")
         if value and key not in adapter.regularizers:
             raise ConfigError(f"model.{key}", value, f"model '{cfg.model.name}' does not implement it",
                               f"set model.{key}=0")
-
-
-def _check_checkpoint_keys(cfg: DictConfig) -> None:
-    """``checkpoint.*`` ranges and ``resume`` (``never``, ``auto`` or an existing path)."""
-    _check_range(cfg, "checkpoint.every", 0, None, fix="0 saves only at the end")
-    _check_range(cfg, "checkpoint.keep", 0, None, fix="0 keeps every checkpoint")
-    resume = str(cfg.resume)
-    if resume != "never" and int(cfg.masker.resample_every) > 0:
-        raise ConfigError("resume", resume, f"runs whose plan is re-drawn (masker.resample_every="
-                          f"{cfg.masker.resample_every}) cannot be resumed in this release",
-                          "use resume=never, or masker.resample_every=0")
-    if resume == "auto":
-        if not cfg.run.name:
-            raise ConfigError("resume", "auto", "needs a fixed run.name, so a restarted job finds its run directory",
-                              "add run.name=NAME (the same on every start)")
-    elif resume != "never" and not Path(resume).exists():
-        raise ConfigError("resume", resume, "is neither never, auto nor an existing checkpoint path",
-                          "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
-
-
-FINAL_CHOICES = ("auto", "always", "never")
-
-
-def _check_added_keys(cfg: DictConfig) -> None:
-    final = str(cfg.checkpoint.final)
-    if final not in FINAL_CHOICES:
-        raise ConfigError("checkpoint.final", final, f"valid choices: {', '.join(FINAL_CHOICES)}",
-                          "auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")
 
 
 NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
 
 
 def _check_run_name(cfg: DictConfig) -> None:
-    """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too long."""
+    """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too
+    long, and no control characters (a newline would split every log line and shell command naming it)."""
     name = str(cfg.run.name)
     if not name:
         return
     fix = "use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)"
     if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
         raise ConfigError("run.name", name, f"would put the run outside run.dir={cfg.run.dir}", fix)
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise ConfigError("run.name", name[:80] + ("..." if len(name) > 80 else ""),
+                          f"holds the control character U+{ord(control):04X}; a run name is one line of "
+                          "printable characters", fix)
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         raise ConfigError("run.name", name[:40] + "...", f"is {len(name.encode('utf-8', 'surrogateescape'))} "
                           f"bytes long; a file name may have at most {NAME_MAX}", "use a shorter name")
-
-
-def _check_fsdp(cfg: DictConfig, comm: Any) -> None:
-    """``fsdp.shard_size > 1`` composes with forward, block-level masking over torch.distributed only."""
-    _check_range(cfg, "fsdp.shard_size", 1, None, fix="1 turns FSDP off")
-    size = int(cfg.fsdp.shard_size)
-    if size == 1:
-        return
-    needs = (("masker.granularity", "block", "FSDP shards whole blocks; neuron-level units would cut its shards"),
-             ("masker.regime", "forward", "backward masking broadcasts whole units, which FSDP holds in shards"),
-             ("masker.resample_every", 0, "a re-drawn plan would have to re-shard the blocks"))
-    for key, want, why in needs:
-        value = OmegaConf.select(cfg, key)
-        if value != want:
-            raise ConfigError(key, value, f"fsdp.shard_size={size} needs {key}={want}: {why}",
-                              f"set {key}={want}, or fsdp.shard_size=1")
-    if not comm.supports_fsdp:
-        raise ConfigError("comm.name", cfg.comm.name, f"fsdp.shard_size={size} needs torch.distributed process "
-                          "groups (FSDP2 all-gathers and reduce-scatters through them)",
-                          "use comm.name=gloo (CPU) or comm.name=nccl (GPU)")
-
-
-def _check_local_steps(cfg: DictConfig) -> None:
-    """``sync.mode=local_steps``: its ranges, and what it does not compose with."""
-    _check_range(cfg, "sync.every", 1, None, fix="1 synchronises after every step")
-    _check_range(cfg, "sync.outer_lr", 0.0, None, lo_open=True, fix="1 with sync.outer_momentum=0 is plain averaging")
-    momentum = float(cfg.sync.outer_momentum)
-    if not 0.0 <= momentum < 1.0:
-        raise ConfigError("sync.outer_momentum", momentum, "must be in [0, 1)", "0 turns outer momentum off; DiLoCo uses 0.9")
-    if cfg.sync.mode != "local_steps":
-        return
-    every = int(cfg.sync.every)
-    needs = (("fsdp.shard_size", 1, "composing local steps with FSDP's sharded parameters is not built"),
-             ("masker.resample_every", 0, "a re-drawn plan would move units in the middle of a cycle"))
-    for key, want, why in needs:
-        value = OmegaConf.select(cfg, key, default=want)
-        if value != want:
-            raise ConfigError(key, value, f"sync.mode=local_steps needs {key}={want}: {why}",
-                              f"set {key}={want}, or sync.mode=every_step")
-    if int(cfg.eval.every) % every:
-        raise ConfigError("eval.every", int(cfg.eval.every), f"must be a multiple of sync.every={every} with "
-                          "sync.mode=local_steps, so the union model is evaluated right after a synchronisation",
-                          f"use eval.every={every * -(-int(cfg.eval.every) // every)} (0: only at the end)")
 
 
 def check_world(cfg: DictConfig, world_size: int) -> int:
@@ -616,18 +533,6 @@ def check_world(cfg: DictConfig, world_size: int) -> int:
         raise ConfigError("fsdp.shard_size", size, f"must divide the world size {world_size} "
                           f"(world = replicas x shard_size)", f"use one of {divisors}, or change the number of ranks")
     return world_size // size
-
-
-def _check_masker_counts(cfg: DictConfig) -> None:
-    """``units_per_layer`` and ``refresh_every`` at least 1, ``resample_every`` at least 0."""
-    for key, lo, fix in (("units_per_layer", 1, "the default is 8"),
-                         ("refresh_every", 1, "1 refreshes non-owned copies after every step"),
-                         ("resample_every", 0, "0 keeps the plan fixed")):
-        _check_range(cfg, f"masker.{key}", lo, None, fix=fix)
-    for c in cfg.masker.capacity:  # heterogeneous ranks: each entry a coverage
-        if not isinstance(c, (int, float)) or not 0.0 < float(c) <= 1.0:
-            raise ConfigError("masker.capacity", list(cfg.masker.capacity), f"holds {c}: every entry must be in (0, 1]",
-                              "give each rank a coverage such as 0.5 (1 = the whole model)")
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -676,65 +581,6 @@ def check_numbers(cfg: DictConfig) -> None:
             raise ConfigError(key, value, "must be a finite number", "give a plain number such as 0.5")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
             raise ConfigError(key, value, f"does not fit in 64 bits (at most {INT64_MAX})", "use a smaller integer")
-
-
-def check_optim_values(cfg: DictConfig) -> None:
-    """``optim.*`` values torch.optim would reject mid-run, or take silently as something else."""
-    _check_range(cfg, "optim.momentum", 0.0, 1.0, fix="0 turns momentum off; 0.9 is usual")
-    _check_range(cfg, "optim.weight_decay", 0.0, None, fix="0 turns weight decay off")
-    _check_range(cfg, "optim.eps", 0.0, None, lo_open=True, fix="1e-8 is usual")
-    _check_range(cfg, "optim.warmup_steps", 0, None, fix="0 starts at the full learning rate")
-    _check_range(cfg, "optim.clip_grad_norm", 0.0, None, fix="0 turns clipping off")
-    betas = list(cfg.optim.betas)
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ConfigError("optim.betas", betas, "must be two numbers in [0, 1)", "write optim.betas=[0.9,0.999]")
-
-
-def check_eval_values(cfg: DictConfig) -> None:
-    """``eval.*``: sizes that would only fail at the end of training."""
-    _check_range(cfg, "eval.batch_size", 1, None, fix="256 is the default")
-    _check_range(cfg, "eval.batches", 0, None, fix="0 evaluates the whole held-out split")
-    _check_range(cfg, "eval.every", 0, None, fix="0 evaluates only at the end")
-    _check_range(cfg, "eval.bn_recalibrate_batches", 0, None, fix="0 keeps the averaged statistics")
-
-
-RENDEZVOUS_SCHEMES = ("env", "tcp", "file")  # the handlers torch.distributed.rendezvous registers
-
-
-def check_comm_values(cfg: DictConfig) -> None:
-    """``comm.timeout_s`` above 0; ``comm.init_method`` one that a rendezvous handler accepts."""
-    if OmegaConf.select(cfg, "comm.timeout_s", default=None) is not None:
-        _check_range(cfg, "comm.timeout_s", 0.0, None, lo_open=True, fix="600 is the default")
-    method = OmegaConf.select(cfg, "comm.init_method", default=None)
-    if method is None:
-        return
-    from urllib.parse import urlparse
-
-    url = urlparse(str(method))
-    fix = "use env:// (torchrun, mpirun, srun), tcp://HOST:PORT or file:///SHARED/PATH"
-    if url.scheme not in RENDEZVOUS_SCHEMES:
-        raise ConfigError("comm.init_method", str(method), f"no rendezvous handler for {url.scheme or 'no'} scheme "
-                          f"(valid: {', '.join(s + '://' for s in RENDEZVOUS_SCHEMES)})", fix)
-    try:
-        port = url.port
-    except ValueError:
-        port = -1
-    if url.scheme == "tcp" and (not url.hostname or port is None or not 0 < port < 65536):
-        raise ConfigError("comm.init_method", str(method), "tcp:// needs a host and a port in 1..65535", fix)
-    if url.scheme == "file" and not url.path:
-        raise ConfigError("comm.init_method", str(method), "file:// needs a path", fix)
-
-
-def check_resume_path(cfg: DictConfig) -> None:
-    """``resume=PATH`` names a checkpoint (a folder with MANIFEST.json) or a run directory."""
-    resume = str(cfg.resume)
-    if resume in ("never", "auto"):
-        return
-    p = Path(resume)
-    if not resume.strip() or not ((p / "MANIFEST.json").is_file() or (p / "checkpoints").is_dir()):
-        raise ConfigError("resume", resume, "is neither never, auto, a checkpoint (a folder holding MANIFEST.json) "
-                          "nor a run directory (holding checkpoints/)",
-                          "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
 
 
 def check_data_fits_model(cfg: DictConfig, registries: dict[str, Any]) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Iterator, Optional, Protocol, Sequence
 
+from subnetdp.core.fields import WRITES, doc, writing_keys  # noqa: F401  (re-exported: plugins declare fields with doc)
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -196,38 +198,7 @@ class LaunchEnv:
 # --------------------------------------------------------------------------- plugin bases
 
 
-_NO_DEFAULT: Any = dataclasses.MISSING
-
-
-WRITES = "writes"  # field metadata: the field chooses where (or whether) files are written
-
-
-def doc(text: str, default: Any = _NO_DEFAULT, *, factory: Any = _NO_DEFAULT, writes: bool = False) -> Any:
-    """A config field with its one-line documentation (shown in the README's key table).
-
-    ``key: int = doc("what it means", 3)``; mutable defaults use ``factory=``. ``writes=True``
-    declares that the field chooses where (or whether) files are written, e.g. a cache folder or a
-    download switch: ``subnetdp eval`` and ``subnetdp export`` never take such a value from a
-    checkpoint's stored config, but from their own invocation (the default, or ``data.KEY=...``
-    on their command line). A plugin without ``doc`` declares it with
-    ``dataclasses.field(default=..., metadata={"writes": True})``.
-    """
-    meta = {"doc": text, **({WRITES: True} if writes else {})}
-    if factory is not _NO_DEFAULT:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def writing_keys(schema: type, prefix: str = "") -> list[str]:
-    """Dotted keys of ``schema``'s fields (nested config dataclasses included) declared with ``writes``."""
-    keys = []
-    for f in dataclasses.fields(schema):
-        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
-            keys += writing_keys(nested, f"{prefix}{f.name}.")
-        elif f.metadata.get(WRITES):
-            keys.append(prefix + f.name)
-    return keys
+GROUP_BY = ("auto", "model")  # masker.group_by: the adapter's groups, or one group over all units
 
 
 @dataclass
@@ -273,20 +244,27 @@ class Plugin:
 class MaskerConfig(PluginConfig):
     """Keys every masker shares (``masker.*``); a masker's own ``Config`` may add more."""
 
-    granularity: str = doc('unit kind: block or neuron', "block")
-    regime: str = doc('forward (materialised subnetworks) or backward (masked gradients, full forward)', "forward")
+    granularity: str = doc('unit kind: block or neuron', "block", choices=("block", "neuron"))
+    regime: str = doc('forward (materialised subnetworks) or backward (masked gradients, full forward)', "forward",
+                      choices=("forward", "backward"))
     coverage: float = doc(
         'C in (0, 1]: each rank keeps max(1, floor(C K_g + 0.5)) of the K_g units of every group',
-        0.5)
-    min_owners: int = doc('a plan with a unit owned by fewer ranks is refused', 1)
-    group_by: str = doc("auto (the adapter's groups, e.g. a ResNet stage) or model (one group over all units)", "auto")
+        0.5, lo=0.0, lo_open=True, hi=1.0, fix="use a coverage such as 0.5 (1 = plain DDP)")
+    min_owners: int = doc('a plan with a unit owned by fewer ranks is refused', 1, lo=1)
+    group_by: str = doc("auto (the adapter's groups, e.g. a ResNet stage) or model (one group over all units)", "auto",
+                        choices=GROUP_BY)
     rescale: Optional[bool] = doc(
         'K/n output scaling of narrowed layers (empty: on for neuron level, off for block level)',
         None)
-    units_per_layer: int = doc("neuron level: ranges each layer's hidden dimension is cut into", 8)
-    refresh_every: int = doc("backward masking: owners' values reach every rank every N steps", 1)
-    resample_every: int = doc('re-draw the plan every N steps from a fixed family (0 = never)', 0)
-    capacity: list = doc('heterogeneous ranks: one coverage per rank (per replica with fsdp.shard_size > 1) overriding masker.coverage; empty: every rank keeps masker.coverage (subnetdp plan --memory fills it)', factory=list)
+    units_per_layer: int = doc("neuron level: ranges each layer's hidden dimension is cut into", 8, lo=1,
+                               fix="the default is 8")
+    refresh_every: int = doc("backward masking: owners' values reach every rank every N steps", 1, lo=1,
+                             fix="1 refreshes non-owned copies after every step")
+    resample_every: int = doc('re-draw the plan every N steps from a fixed family (0 = never)', 0, lo=0,
+                              fix="0 keeps the plan fixed")
+    capacity: list = doc('heterogeneous ranks: one coverage per rank (per replica with fsdp.shard_size > 1) overriding masker.coverage; empty: every rank keeps masker.coverage (subnetdp plan --memory fills it)',
+                         factory=list, lo=0, lo_open=True, hi=1,
+                         fix="give each rank a coverage such as 0.5 (1 = the whole model)")
 
 
 @dataclass
@@ -294,7 +272,10 @@ class CommConfig(PluginConfig):
     """Keys every communicator shares (``comm.*``)."""
 
     init_method: str = doc('torch.distributed init method (env:// under torchrun)', "env://")
-    timeout_s: float = doc('seconds the world has to assemble, and for each collective', 600.0)
+    # Below a second a world cannot even assemble; beyond a week a hung collective is never reported
+    # (and near 1e308 the timedelta torch.distributed takes overflows).
+    timeout_s: float = doc('seconds the world has to assemble, and for each collective (1 s to 7 days)', 600.0,
+                           lo=1.0, hi=604800.0, fix="600 is the default")
 
 
 @dataclass
@@ -316,8 +297,12 @@ class ModelConfig(PluginConfig):
     """
 
     variant: str = doc('the size: resnet18/34/50, swin t/s/b/cifar, llama tiny/134m/500m/1b', "")
-    stochastic_depth: float = doc('drop probability of each residual branch per sample (the branches block-level SDP masks; 0 = off)', 0.0)
-    hidden_dropout: float = doc('drop probability of each hidden channel per sample (the channels neuron-level SDP masks; 0 = off)', 0.0)
+    stochastic_depth: float = doc('drop probability of each residual branch per sample (the branches block-level SDP masks; 0 = off)', 0.0,
+                                  lo=0, hi=1, hi_open=True,
+                                  fix="use e.g. model.stochastic_depth=0.5 for a keep rate of 0.5 (0 turns it off)")
+    hidden_dropout: float = doc('drop probability of each hidden channel per sample (the channels neuron-level SDP masks; 0 = off)', 0.0,
+                                lo=0, hi=1, hi_open=True,
+                                fix="use e.g. model.hidden_dropout=0.5 for a keep rate of 0.5 (0 turns it off)")
 
 
 class Masker(Plugin, abc.ABC):

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from subnetdp.core.contracts import Partition
+from subnetdp.core.contracts import GROUP_BY, Partition
 from subnetdp.core.errors import PlanError
 
 
@@ -241,7 +241,6 @@ def units_kept(coverage: float, k: int) -> int:
     return max(1, min(k, math.floor(coverage * k + 0.5)))
 
 
-GROUP_BY = ("auto", "model")
 DENSE_GAP_RANKS = 256  # above, the spectral gap comes from Lanczos iteration, not the dense matrix
 
 

@@ -78,8 +78,9 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
     """
     from omegaconf import OmegaConf
 
-    from subnetdp.core.config import compose, parse_overrides
+    from subnetdp.core.config import parse_overrides
     from subnetdp.core.stored import drop_keys, invocation_keys, load_stored
+    from subnetdp.train.configure import load_config
 
     path = ck.verify_file(ckpt, "config.yaml", manifest)
     for item in data:
@@ -99,7 +100,9 @@ def _config(ckpt: Path, manifest: dict[str, Any], pm: PluginManager, data: Seque
         recipe = str(Path(tmp) / "config.yaml")
         OmegaConf.save(raw, recipe)
         try:
-            cfg = compose(recipe, ["resume=never", "launch.nproc=1", *data], pm.registries)
+            # Training-only keys are neutral here: no resume, and no warm-up for a stored run shorter
+            # than its warm-up (refused for training since; the optimizer is never built here).
+            cfg = load_config(recipe, ["resume=never", "launch.nproc=1", "optim.warmup_steps=0", *data], pm.registries)
         except SubnetdpError as e:
             where = "with the data given" if data else "with the installed plugins"
             raise CheckpointError(f"{path}: no longer a valid config {where} ({e})") from None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -28,9 +29,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
+from subnetdp.core.errors import ConfigError
 from subnetdp.parallel.memory import TensorMemoryTracker
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import EveryStepSync, clip_to, world_norm
+
+
+def check_config(cfg: Any, registries: dict[str, Any]) -> None:
+    """``fsdp.shard_size > 1`` composes with forward, block-level masking over torch.distributed only,
+    and leaves no whole gradient for ``train.grad_alignment_every``. Reads the config; creates nothing."""
+    size = int(cfg.fsdp.shard_size)
+    if size > 1:
+        needs = (("masker.granularity", "block", "FSDP shards whole blocks; neuron-level units would cut its shards"),
+                 ("masker.regime", "forward", "backward masking broadcasts whole units, which FSDP holds in shards"),
+                 ("masker.resample_every", 0, "a re-drawn plan would have to re-shard the blocks"))
+        for key, want, why in needs:
+            value = OmegaConf.select(cfg, key)
+            if value != want:
+                raise ConfigError(key, value, f"fsdp.shard_size={size} needs {key}={want}: {why}",
+                                  f"set {key}={want}, or fsdp.shard_size=1")
+        if not registries["comm"].get(cfg.comm.name).supports_fsdp:
+            raise ConfigError("comm.name", cfg.comm.name, f"fsdp.shard_size={size} needs torch.distributed process "
+                              "groups (FSDP2 all-gathers and reduce-scatters through them)",
+                              "use comm.name=gloo (CPU) or comm.name=nccl (GPU)")
+    if int(cfg.train.grad_alignment_every) and size > 1:
+        raise ConfigError("train.grad_alignment_every", int(cfg.train.grad_alignment_every),
+                          f"the probe needs whole gradients, and fsdp.shard_size={size} shards them",
+                          "use fsdp.shard_size=1 for the probe, or train.grad_alignment_every=0")
 
 
 def replica_mesh(comm: Communicator, shard_size: int) -> DeviceMesh:

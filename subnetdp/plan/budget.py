@@ -92,7 +92,7 @@ class BudgetSearch:
             cfg = with_overrides(self.cfg, **overrides)
             if probe_rank_coverage is not None:
                 cfg = with_overrides(cfg, **{"masker.capacity": [probe_rank_coverage] + [1.0] * (self.replicas(cfg) - 1)})
-            from subnetdp.core.config import validate
+            from subnetdp.train.configure import validate
 
             validate(cfg, self.pm.registries)
             report = plan_report(cfg, self.world, self.pm, only_rank=0 if probe_rank_coverage is not None else None)

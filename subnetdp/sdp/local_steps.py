@@ -43,12 +43,32 @@ import math
 from typing import Any, Iterator
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, ParamMap, Partition
-from subnetdp.core.errors import NonFiniteError
+from subnetdp.core.errors import ConfigError, NonFiniteError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import OwnerGroupAverager
+
+
+def check_config(cfg: Any) -> None:
+    """``sync.mode=local_steps``: what it does not compose with, and evaluations that fall on a
+    synchronisation (the ranges of ``sync.*`` are declared with the fields)."""
+    if cfg.sync.mode != "local_steps":
+        return
+    every = int(cfg.sync.every)
+    needs = (("fsdp.shard_size", 1, "composing local steps with FSDP's sharded parameters is not built"),
+             ("masker.resample_every", 0, "a re-drawn plan would move units in the middle of a cycle"))
+    for key, want, why in needs:
+        value = OmegaConf.select(cfg, key, default=want)
+        if value != want:
+            raise ConfigError(key, value, f"sync.mode=local_steps needs {key}={want}: {why}",
+                              f"set {key}={want}, or sync.mode=every_step")
+    if int(cfg.eval.every) % every:
+        raise ConfigError("eval.every", int(cfg.eval.every), f"must be a multiple of sync.every={every} with "
+                          "sync.mode=local_steps, so the union model is evaluated right after a synchronisation",
+                          f"use eval.every={every * -(-int(cfg.eval.every) // every)} (0: only at the end)")
 
 
 class LocalStepsSynchronizer:

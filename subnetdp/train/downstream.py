@@ -24,11 +24,27 @@ from typing import Any, Sequence
 
 import torch
 
-from subnetdp.core.errors import SubnetdpError, suggest
+from subnetdp.core.errors import ConfigError, SubnetdpError, suggest
 
 INSTALL_HINT = "pip install 'subnetdp[eval]'"
 DOWNLOAD_ERRORS = ("Couldn't reach", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "ConnectionError",
                    "Name or service not known", "doesn't exist on the Hub", "DatasetNotFoundError")
+
+
+def check_config(cfg: Any, registries: dict[str, Any]) -> None:
+    """``eval.tasks`` needs lm-eval and a dataset with a tokenizer (task names are checked by the
+    loop's set-up, which loads them; the ranges of ``eval.task_*`` are declared with the fields)."""
+    tasks = list(cfg.eval.tasks)
+    if not tasks:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("eval.tasks", tasks, "needs lm-evaluation-harness, which is not installed",
+                          "pip install 'subnetdp[eval]', or eval.tasks=[]")
+    if not registries["data"].get(cfg.data.name).has_tokenizer():
+        raise ConfigError("eval.tasks", tasks, f"data '{cfg.data.name}' has no tokenizer to turn task text into tokens",
+                          "use a language-model dataset such as data.name=tokens, or eval.tasks=[]")
 
 
 def require_lm_eval() -> None:

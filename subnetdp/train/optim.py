@@ -7,6 +7,21 @@ from typing import Any, Iterable
 
 import torch
 
+from subnetdp.core.errors import ConfigError
+
+
+def check_config(cfg: Any) -> None:
+    """``optim.*`` across keys: two Adam betas in [0, 1), and a warm-up no longer than the run (a
+    longer one never reaches ``optim.lr``). Single-key ranges are declared with the fields."""
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError("optim.betas", betas, "must be two numbers in [0, 1)", "write optim.betas=[0.9,0.999]")
+    warmup, steps = int(cfg.optim.warmup_steps), int(cfg.train.steps)
+    if warmup > steps:
+        raise ConfigError("optim.warmup_steps", warmup, f"must be in [0, train.steps={steps}]: a longer warm-up "
+                          "never reaches optim.lr", f"use optim.warmup_steps={steps} or less (0 starts at the full "
+                          f"learning rate), or train.steps={warmup} or more")
+
 
 def build_optimizer(cfg: Any, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """``torch.optim`` by ``optim.name`` (``sgd``, ``adamw``, ``adam``)."""

@@ -72,6 +72,10 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
     cfg = small_config(*_overrides(variant, coverage, extra),
                        f"comm.init_method={init_method}-{tag}", f"run.name={tag}",
                        run_dir=init_method.removeprefix("file://") + "-runs")
+    if extra == RESAMPLE:
+        # lr 0 isolates re-drawing from learning (every held piece must stay the initial one's).
+        # A user is refused it, a run that cannot learn, so it is set on the composed config.
+        cfg.optim.lr = 0.0
     pm = plugin_manager()
     recorder = _FullModelDigest()
     run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
@@ -244,7 +248,7 @@ def _check_resampled(results: list[dict], variant: str) -> None:
             assert value == digest(ref), name
 
 
-RESAMPLE = ["masker.resample_every=1", "optim.lr=0"]
+RESAMPLE = ["masker.resample_every=1"]  # with optim.lr 0, set in _one_variant
 REFRESH2 = ["masker.refresh_every=2"]
 CASES_2 = [(v, 0.5, []) for v in VARIANTS] + [("N", 0.5, RESAMPLE), ("Bb", 0.5, RESAMPLE), ("Nb", 0.5, REFRESH2)]
 

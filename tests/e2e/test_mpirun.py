@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 PY = sys.executable
 MPIRUN = str(Path(PY).parent / "mpirun")
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ["resnet18_digits", "train.steps=6", "train.batch_size=8", "train.log_every=3", "train.progress=false",
+RECIPE = ["resnet18_digits", "train.steps=6", "optim.warmup_steps=0", "train.batch_size=8", "train.log_every=3", "train.progress=false",
           "eval.bn_recalibrate_batches=0", "eval.batches=1", "masker.coverage=0.5"]
 
 

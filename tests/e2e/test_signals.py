@@ -26,7 +26,7 @@ from subnetdp.train.stopping import STOP_HOLD
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")
 
 SUBNETDP = [sys.executable, "-m", "subnetdp"]
-ARGS = ["resnet18_digits", "train.steps=400", "train.batch_size=8", "train.log_every=1", "train.progress=false",
+ARGS = ["resnet18_digits", "train.steps=400", "optim.warmup_steps=0", "train.batch_size=8", "train.log_every=1", "train.progress=false",
         "eval.bn_recalibrate_batches=2", "eval.every=0", "launch.threads_per_rank=1", "checkpoint.keep=2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -20,7 +20,7 @@ from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints.resume import final_wanted
 from tests.helpers import small_config
 
-TRAIN = ["train", "resnet18_digits", "launch.nproc=2", "train.steps=2", "train.progress=false"]
+TRAIN = ["train", "resnet18_digits", "launch.nproc=2", "train.steps=2", "optim.warmup_steps=0", "train.progress=false"]
 
 
 def _error(capsys, *args: str) -> str:
@@ -55,7 +55,7 @@ def test_final_checkpoint_default_keeps_short_trials_small():
     assert not final_wanted(small_config("train.steps=200"))
     assert final_wanted(small_config("train.steps=1000"))
     assert final_wanted(small_config("train.steps=20", "checkpoint.every=10"))
-    assert final_wanted(small_config("train.steps=20", "checkpoint.final=always"))
+    assert final_wanted(small_config("train.steps=20", "checkpoint.enabled=true", "checkpoint.final=always"))
     assert not final_wanted(small_config("train.steps=5000", "checkpoint.final=never"))
 
 
@@ -63,7 +63,7 @@ def test_crash_after_the_final_checkpoint_then_resume_auto(tmp_path):
     """A kill right after the last checkpoint; resume=auto evaluates it, keeps checkpoint.keep, then
     a further resume=auto says the run is finished and touches nothing."""
     args = [sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "comm.name=local", "masker.coverage=1",
-            "launch.nproc=1", "train.steps=6", "train.batch_size=8", "checkpoint.every=2", "checkpoint.keep=2",
+            "launch.nproc=1", "train.steps=6", "optim.warmup_steps=0", "train.batch_size=8", "checkpoint.every=2", "checkpoint.keep=2",
             "eval.bn_recalibrate_batches=2", "train.progress=false", "launch.threads_per_rank=1",
             f"run.dir={tmp_path}", "run.name=crash", "resume=auto"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

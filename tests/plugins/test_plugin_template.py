@@ -101,7 +101,7 @@ def test_train_two_steps_selecting_the_template_masker(installed: Installed) -> 
     runs = installed.tmp / "runs"
     result = installed.subnetdp(
         "train", "resnet18_digits", "launch.nproc=1", "comm.name=local", "masker.name=strided",
-        "masker.coverage=1", "masker.offset=1", "train.steps=2", f"run.dir={runs}", "run.name=t",
+        "masker.coverage=1", "masker.offset=1", "train.steps=2", "optim.warmup_steps=0", f"run.dir={runs}", "run.name=t",
         "train.progress=false", "eval.bn_recalibrate_batches=0", "model.variant=resnet18")
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 

@@ -210,7 +210,8 @@ def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
 def test_local_steps_hand_a_nonfinite_inner_step_to_the_synchronisation(tmp_path):
     """With ``sync.mode=local_steps`` the guard defers a bad inner step to the synchroniser: the run
     stops at the next synchronisation (naming it and the count), or, with ``skip``, trains on."""
-    local = ("sync.mode=local_steps", "sync.every=2", "optim.lr=1e30", "checkpoint.enabled=false")
+    local = ("sync.mode=local_steps", "sync.every=2", "optim.lr=1e30", "checkpoint.enabled=false",
+             "checkpoint.final=auto")
     with pytest.raises(NonFiniteError) as e:
         train_loop(tmp_path, "ls-nan", "train.steps=4", *local)
     assert "in the local steps before the synchronisation at step 2 (rank 0: 1 step(s))" in str(e.value)

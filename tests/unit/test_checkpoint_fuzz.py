@@ -60,7 +60,7 @@ def summary_run(tmp_path_factory) -> tuple[object, Path]:
     """A resume=auto config and the summary.json it reads first."""
     root = tmp_path_factory.mktemp("fuzz-summary")
     (root / "s").mkdir()
-    return small_config("run.name=s", "resume=auto", "train.steps=1", run_dir=root), root / "s" / "summary.json"
+    return small_config("run.name=s", "resume=auto", "checkpoint.enabled=true", "train.steps=1", run_dir=root), root / "s" / "summary.json"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
 from tests.helpers import plugin_manager
 
 
 def cfg(*overrides: str, recipe: str | None = "resnet18_digits"):
-    return compose(recipe, list(overrides), plugin_manager().registries)
+    return load_config(recipe, list(overrides), plugin_manager().registries)
 
 
 def test_layers_compose_in_order():
-    c = cfg("masker.coverage=0.75", "train.steps=7")
+    c = cfg("masker.coverage=0.75", "train.steps=7", "optim.warmup_steps=7")
     assert c.masker.coverage == 0.75 and c.train.steps == 7  # command line wins
     assert c.optim.lr == 0.05  # from the recipe, over defaults.yaml's 0.1
     assert c.model.cifar_stem is True and c.model.variant == "resnet18"  # plugin schema mounted

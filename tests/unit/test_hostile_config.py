@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from subnetdp import cli
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
 from subnetdp.train.loop import preflight
 from tests.helpers import plugin_manager
@@ -30,7 +32,7 @@ CASES = {  # override -> the key its message must start with
 def test_bad_value_is_one_line_naming_its_key(override):
     pm = plugin_manager()
     with pytest.raises(ConfigError) as e:
-        preflight(compose("resnet18_digits", [override], pm.registries), 2, pm)
+        preflight(load_config("resnet18_digits", [override], pm.registries), 2, pm)
     msg = str(e.value)
     assert msg.startswith(CASES[override] + "=") and "\n" not in msg, msg
 
@@ -39,12 +41,13 @@ def test_recipe_group_given_a_list(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  name: resnet\nmasker: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"^masker=.*a list"):
-        compose(str(recipe), [], plugin_manager().registries)
+        load_config(str(recipe), [], plugin_manager().registries)
 
 
 def test_threads_above_the_cores_warn():
+    above = (os.cpu_count() or 1) + 1  # more than the cores, within launch.threads_per_rank's range
     with pytest.warns(UserWarning, match="launch.threads_per_rank"):
-        compose("resnet18_digits", ["launch.threads_per_rank=100000"], plugin_manager().registries)
+        load_config("resnet18_digits", [f"launch.threads_per_rank={above}"], plugin_manager().registries)
 
 
 @pytest.mark.parametrize("argv, key", [(["plan", "resnet18_digits", "-n", "0", "--no-estimate"], "--world-size=0"),
@@ -54,3 +57,36 @@ def test_world_sizes_below_one_are_refused(argv, key, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"subnetdp: error: {key}:") and err.count("\n") == 1, err
+
+
+CONTRADICTIONS = {  # overrides -> the one line that refuses them (each was accepted before)
+    ("checkpoint.enabled=false", "checkpoint.final=always"):
+        "checkpoint.final='always': asks for a final checkpoint, but checkpoint.enabled=false writes none — "
+        "set checkpoint.enabled=true, or checkpoint.final=auto",
+    ("checkpoint.enabled=false", "resume=auto", "run.name=x"):
+        "resume='auto': finds the run's newest checkpoint, but checkpoint.enabled=false writes none, so every "
+        "restart would start over — set checkpoint.enabled=true, or resume=never",
+    ("optim.warmup_steps=300",):  # the recipe's train.steps is 200
+        "optim.warmup_steps=300: must be in [0, train.steps=200]: a longer warm-up never reaches optim.lr — "
+        "use optim.warmup_steps=200 or less (0 starts at the full learning rate), or train.steps=300 or more",
+    ("optim.lr=0",): "optim.lr=0.0: must be > 0.0 — use e.g. 0.1 for SGD or 1e-3 for AdamW",
+    ("optim.weight_decay=1e20",):
+        "optim.weight_decay=1e+20: must be in [0.0, 1.0] — 0 turns weight decay off; 5e-4 (SGD) or 0.1 (AdamW) is usual",
+    ("eval.task_limit=-1",): "eval.task_limit=-1.0: must be >= 0.0 — 0 evaluates every document",
+    ("eval.num_fewshot=-1",): "eval.num_fewshot=-1: must be >= 0 — 0 asks for none; leave it empty for each task's own",
+    ("train.memory_step=-1",): "train.memory_step=-1: must be >= 1 — 2 is the default (the first step warms up)",
+    ("comm.timeout_s=0.001",): "comm.timeout_s=0.001: must be in [1.0, 604800.0] — 600 is the default",
+    ("comm.timeout_s=1e308",): "comm.timeout_s=1e+308: must be in [1.0, 604800.0] — 600 is the default",
+    ("launch.threads_per_rank=100000",):
+        "launch.threads_per_rank=100000: must be in [0, 1024] — 0 shares the cores evenly among the local ranks",
+    ('run.name="exp\\n1"',):  # YAML's double quotes: a real newline inside the name
+        "run.name='exp\\n1': holds the control character U+000A; a run name is one line of printable characters "
+        "— use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)",
+}
+
+
+@pytest.mark.parametrize("overrides", list(CONTRADICTIONS), ids=lambda o: " ".join(o))
+def test_contradictions_and_values_out_of_range_are_refused_in_one_line(overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config("resnet18_digits", list(overrides), plugin_manager().registries)
+    assert str(e.value) == CONTRADICTIONS[overrides]

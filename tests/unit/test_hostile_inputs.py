@@ -328,6 +328,6 @@ def test_a_damaged_summary_stops_resume_auto_in_one_line(summary, expected, tmp_
     run.mkdir()
     (run / "summary.json").write_text(summary)
     err = _one_line_error(capsys, ["train", "resnet18_digits", f"run.dir={tmp_path}", "run.name=s", "resume=auto",
-                                   "train.steps=2", "comm.name=local"])
+                                   "train.steps=2", "optim.warmup_steps=0", "comm.name=local"])
     assert f"{run / 'summary.json'}: {expected}" in err and "delete" in err, err
     assert [p.name for p in run.iterdir()] == ["summary.json"]  # nothing started

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from subnetdp import cli
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.train.meter import bytes_by_group, tensor_digest
@@ -100,9 +100,9 @@ def test_nccl_refuses_a_machine_without_gpus():
         comm.check_environment()
     assert "comm.name='nccl': needs one CUDA GPU per process" in str(e.value) and "comm.name=gloo" in str(e.value)
     with pytest.raises(ConfigError, match="train.device='cpu': comm.name=nccl computes on cuda:LOCAL_RANK"):
-        compose(None, ["comm.name=nccl", "train.device=cpu"])
+        load_config(None, ["comm.name=nccl", "train.device=cpu"])
     with pytest.raises(ConfigError, match="train.device='cuda': comm.device=cpu holds the tensors — set comm.device=cuda"):
-        compose(None, ["comm.name=mpi", "train.device=cuda"])
+        load_config(None, ["comm.name=mpi", "train.device=cuda"])
 
 
 def test_mpi_outside_mpirun_names_both_worlds():

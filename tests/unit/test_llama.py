@@ -165,8 +165,8 @@ def test_vocabulary_follows_the_data_and_a_smaller_override_is_refused():
                                                      ("llama_500m_fineweb", "500m", 0.5), ("llama_1b_fineweb", "1b", 0.69)])
 def test_llm_recipes_compose(recipe, variant, coverage):
     from tests.helpers import plugin_manager
-    from subnetdp.core.config import compose
+    from subnetdp.train.configure import load_config
 
-    cfg = compose(recipe, [], plugin_manager().registries)
+    cfg = load_config(recipe, [], plugin_manager().registries)
     assert (cfg.model.name, cfg.model.variant, cfg.masker.coverage, cfg.data.name) == ("llama", variant, coverage, "tokens")
     assert cfg.optim.name == "adamw" and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps > 0

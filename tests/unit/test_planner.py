@@ -6,7 +6,8 @@ import pytest
 
 from subnetdp.cli import main
 from subnetdp.plan.budget import budget_search, parse_memory
-from subnetdp.core.config import compose, config_root
+from subnetdp.core.config import config_root
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.train.loop import build_plan
 from subnetdp.plan.report import plan_report, shape_plan
@@ -19,7 +20,7 @@ RECIPES = sorted(p.stem for p in (config_root() / "recipes").glob("*.yaml"))
 def test_plan_needs_no_dataset_on_disk(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/ folder, no runs/data cache: nothing on disk
     pm = plugin_manager()
-    cfg = compose(recipe, ["data.root=" + str(tmp_path / "absent")] if "stdlib" not in recipe else [], pm.registries)
+    cfg = load_config(recipe, ["data.root=" + str(tmp_path / "absent")] if "stdlib" not in recipe else [], pm.registries)
     report = plan_report(cfg, 8, pm, estimate=False)
     assert report["data_source"].startswith("config"), report["data_source"]
     assert report["world_size"] == 8 and len(report["owned"]) == 8

@@ -10,7 +10,7 @@ import torchvision
 from omegaconf import OmegaConf
 from torchvision.models.swin_transformer import SwinTransformerBlock
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import DataSpec
 from subnetdp.core.errors import ConfigError
 from subnetdp.plugins.models.swin.adapter import VARIANTS, SwinAdapter, SwinConfig, build_reference
@@ -110,9 +110,9 @@ def test_input_channels_from_spec_and_config_errors():
     assert model(torch.randn(2, 1, 32, 32)).shape == (2, 5)
     registries = plugin_manager().registries
     with pytest.raises(ConfigError, match=r"model.variant='tiny'.*valid choices: t, s, b, cifar"):
-        compose(None, ["model.name=swin", "model.variant=tiny"], registries)
+        load_config(None, ["model.name=swin", "model.variant=tiny"], registries)
     with pytest.raises(ConfigError, match=r"model.num_heads.*one entry per stage"):
-        compose(None, ["model.name=swin", "model.depths=[2,2]"], registries)
+        load_config(None, ["model.name=swin", "model.depths=[2,2]"], registries)
     with pytest.raises(ConfigError, match=r"model.num_heads.*not divisible"):
-        compose(None, ["model.name=swin", "model.variant=cifar", "model.num_heads=[5,6,12,24]"], registries)
-    assert compose(None, ["model.name=swin", "masker.granularity=neuron"], registries).masker.granularity == "neuron"
+        load_config(None, ["model.name=swin", "model.variant=cifar", "model.num_heads=[5,6,12,24]"], registries)
+    assert load_config(None, ["model.name=swin", "masker.granularity=neuron"], registries).masker.granularity == "neuron"

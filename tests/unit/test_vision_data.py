@@ -18,7 +18,7 @@ from PIL import Image
 from torchvision import datasets
 
 from subnetdp.cli import main
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
 from subnetdp.plugins.data.cifar import CifarData
 from tests.helpers import plugin_manager
@@ -51,7 +51,7 @@ def write_cifar(root: Path, hundred: bool, per_file: int = 10, n_test: int = 20)
 
 
 def _data(name: str, *overrides: str):
-    cfg = compose(None, [f"data.name={name}", *overrides], REG)
+    cfg = load_config(None, [f"data.name={name}", *overrides], REG)
     return REG["data"].get(name)(cfg.data, seed=3)
 
 
@@ -161,7 +161,7 @@ def test_download_fetches_and_extracts_the_archive(tmp_path, http_server):
         "url": f"{url}/cifar-10-python.tar.gz", "tgz_md5": md5, "train_list": [[f"data_batch_{i}", None] for i in range(1, 6)],
         "test_list": [["test_batch", None]], "meta": {**datasets.CIFAR10.meta, "md5": None}})
     local = type("LocalCifar", (CifarData,), {"dataset": mirror})
-    cfg = compose(None, ["data.name=cifar10", f"data.root={tmp_path / 'data'}", "data.download=true",
+    cfg = load_config(None, ["data.name=cifar10", f"data.root={tmp_path / 'data'}", "data.download=true",
                          "data.verify_checksums=false"], REG)
     data = local(cfg.data)
     data.check()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from subnetdp.core.config import compose
+from subnetdp.train.configure import load_config
 from subnetdp.train.loop import build_plan
 from subnetdp.plugins.data.cifar import Cifar100Data, CifarData
 from subnetdp.plugins.data.imagenet import ImageNetData
@@ -23,14 +23,14 @@ DATA = {"cifar10": CifarData, "cifar100": Cifar100Data, "imagenet": ImageNetData
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recipe_plans_for_its_world_size(recipe, tmp_path):
     pm = plugin_manager()
-    cfg = compose(recipe, [], pm.registries)
+    cfg = load_config(recipe, [], pm.registries)
     assert cfg.comm.name == "gloo" and cfg.masker.coverage == 0.5 and cfg.train.steps > 10_000
     assert cfg.data.num_workers >= 4 and cfg.eval.every > 0
     if recipe not in PLANNED:
         return
     # Plan it on tiny stand-in data in the real format (small images keep the FLOP count quick).
     overrides = DATA[cfg.data.name].conformance_overrides(tmp_path) + ["data.image_size=32"]
-    cfg = compose(recipe, overrides, pm.registries)
+    cfg = load_config(recipe, overrides, pm.registries)
     world = int(cfg.launch.nproc)
     _, spec, _, _, partition, plan = build_plan(cfg, world, pm)
     assert plan.world_size == world and min(plan.owner_counts()) >= 1

@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
 from subnetdp.core import config as config_mod
-from subnetdp.core.errors import CheckpointError, SubnetdpError
+from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.sdp.pieces import LocalIndex
@@ -63,6 +63,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
                          state["numpy_gauss"][0], state["numpy_gauss"][1]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def check_config(cfg: Any) -> None:
+    """``resume`` and ``checkpoint.*`` across keys: ``resume`` is never, auto (with a fixed
+    ``run.name``) or a checkpoint or run directory; a re-drawn plan is not resumable; and neither a
+    final checkpoint nor a resume is asked of a run that writes no checkpoints."""
+    resume = str(cfg.resume)
+    if resume not in ("never", "auto"):
+        p = Path(resume)
+        if not resume.strip() or not ((p / ck.MANIFEST).is_file() or (p / "checkpoints").is_dir()):
+            raise ConfigError("resume", resume, "is neither never, auto, a checkpoint (a folder holding MANIFEST.json) "
+                              "nor a run directory (holding checkpoints/)",
+                              "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
+    if resume != "never" and int(cfg.masker.resample_every) > 0:
+        raise ConfigError("resume", resume, f"runs whose plan is re-drawn (masker.resample_every="
+                          f"{cfg.masker.resample_every}) cannot be resumed in this release",
+                          "use resume=never, or masker.resample_every=0")
+    if resume == "auto" and not cfg.run.name:
+        raise ConfigError("resume", "auto", "needs a fixed run.name, so a restarted job finds its run directory",
+                          "add run.name=NAME (the same on every start)")
+    if cfg.checkpoint.enabled:
+        return
+    if resume == "auto":  # it would find no checkpoint of its own, and so start over on every restart
+        raise ConfigError("resume", "auto", "finds the run's newest checkpoint, but checkpoint.enabled=false writes "
+                          "none, so every restart would start over", "set checkpoint.enabled=true, or resume=never")
+    if str(cfg.checkpoint.final) == "always":
+        raise ConfigError("checkpoint.final", "always", "asks for a final checkpoint, but checkpoint.enabled=false "
+                          "writes none", "set checkpoint.enabled=true, or checkpoint.final=auto")
 
 
 AUTO_FINAL_MIN_STEPS = 1000  # checkpoint.final=auto: runs this long keep their final checkpoint

@@ -1,0 +1,38 @@
+"""Where the ranks meet: the ``comm.init_method`` URLs that a torch.distributed rendezvous accepts.
+
+Checked when the config is loaded, so a URL no handler takes (or a ``tcp://`` without a port) is one
+line naming the key before any worker starts, not a traceback from every rank's
+``init_process_group``. Nothing here connects to anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+from omegaconf import OmegaConf
+
+from subnetdp.core.errors import ConfigError
+
+RENDEZVOUS_SCHEMES = ("env", "tcp", "file")  # the handlers torch.distributed.rendezvous registers
+
+
+def check_config(cfg: Any) -> None:
+    """``comm.init_method`` (when the communicator has one) has a scheme a rendezvous handler accepts:
+    ``env://``, ``tcp://HOST:PORT`` with a port in 1..65535, or ``file://PATH``."""
+    method = OmegaConf.select(cfg, "comm.init_method", default=None)
+    if method is None:
+        return
+    url = urlparse(str(method))
+    fix = "use env:// (torchrun, mpirun, srun), tcp://HOST:PORT or file:///SHARED/PATH"
+    if url.scheme not in RENDEZVOUS_SCHEMES:
+        raise ConfigError("comm.init_method", str(method), f"no rendezvous handler for {url.scheme or 'no'} scheme "
+                          f"(valid: {', '.join(s + '://' for s in RENDEZVOUS_SCHEMES)})", fix)
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    if url.scheme == "tcp" and (not url.hostname or port is None or not 0 < port < 65536):
+        raise ConfigError("comm.init_method", str(method), "tcp:// needs a host and a port in 1..65535", fix)
+    if url.scheme == "file" and not url.path:
+        raise ConfigError("comm.init_method", str(method), "file:// needs a path", fix)
