@@ -80,6 +80,19 @@ def _job_processes(marker: str) -> list[str]:
     return found
 
 
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if d.name.isdigit() and int(ppid) == pid:
+            kids.append(int(d.name))
+    return kids
+
+
 def _assert_nobody_left(marker: str, agents: list[Agent]) -> None:
     deadline = time.monotonic() + 20
     while _job_processes(marker) and time.monotonic() < deadline:
@@ -174,21 +187,28 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world(tmp_path, ag
 
 def test_a_node_that_joins_makes_the_job_stop_at_a_step_and_resume_it_on_the_larger_world(tmp_path, agents):
     nodes = Nodes(1, 2, f"127.0.0.1:{free_port()}", "job", rdzv_conf=RDZV)
-    extra = ["train.steps=60", "checkpoint.every=20", "masker.coverage=1"]
+    extra = ["train.steps=12", "checkpoint.every=6", "masker.coverage=1"]
     first = _node(agents, tmp_path, nodes, 0, *extra)
     run = tmp_path / "job"
-    _wait_for("the 1-node world's first steps", lambda: (run / "metrics.jsonl").is_file())
+    metrics = run / "metrics.jsonl"
+    _wait_for("the 1-node world's first steps", lambda: metrics.is_file() and '"step"' in metrics.read_text())
+    # Pause the running worker, so that the join lands mid-run however fast this machine trains; it
+    # goes on once its agent has sent it the signal that a node joined.
+    (worker,) = _children(first.proc.pid)
+    os.kill(worker, signal.SIGSTOP)
     joined_at = time.time()
     second = _node(agents, tmp_path, nodes, 1, *extra)
+    _wait_for("the agent's signal to its worker", lambda: "closing signal SIGTERM" in first.console)
+    os.kill(worker, signal.SIGCONT)
     assert first.wait() == 0, first.console[-5000:]
     assert second.wait() == 0, second.console[-5000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 60
+    assert summary["world_size"] == 2 and summary["steps"] == 12
     # The running worker got SIGTERM from its agent, finished its step, saved it, and the 2-node
     # world resumed from that very step: no step trained twice, none lost.
     stopped = re.search(r"stopped by SIGTERM \(rank 0\) after step (\d+): checkpoint", first.console)
     assert stopped, first.console[-5000:]
-    resumed = re.search(r"resumed from (\S+) \(step (\d+)\) on a new plan", first.console)
+    resumed = re.search(r"resumed from (\S+) \(step (\d+)\) on a new plan", first.console + second.console)
     assert resumed and resumed.group(2) == stopped.group(1), first.console[-5000:]
     seconds = _first_step_after(run, joined_at, int(resumed.group(2)))
     print(f"\nnode 1 started -> first step of the 2-node world done: {seconds:.1f} s")
