@@ -9,8 +9,8 @@ worker's own error is printed above it). Everything else, arguments included, is
 
 Each round of the rendezvous gets a fresh store for its workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 unless set): with the store shared by the agents (torch's default), a node that joins a running
-elastic job waits forever for an address the agent that already was rank 0 never publishes again
-(torch 2.14), and a re-formed group could read the keys of the previous one. The workers learn the
+elastic job waits for an address that the agent that was already rank 0 never publishes again, until the
+store's read timeout (60 s) fails both agents (torch 2.14.1), and a re-formed group could read the keys of the previous one. The workers learn the
 agent's process id (``SUBNETDP_LAUNCHER_PID``), so one whose agent died before it could ask to die
 with it exits at once (:mod:`subnetdp.launchers.lifetime`).
 """

@@ -1,11 +1,11 @@
 """Several torchrun agents as the nodes of one job, on this machine, sharing one run directory.
 
-Each "node" is a real torchrun agent started by its own command (the one ``subnetdp launch``
-prints), meeting the others at a c10d rendezvous on a port found free at run time. A fixed 2-node
-job runs to the end; an elastic job (``--nnodes 1:2``) loses a node to SIGKILL and finishes at the
-smaller world; a node that joins a running elastic job makes the running worker stop at a step
-boundary with a checkpoint, and the larger world resumes from exactly that step. Every path ends
-with no process of the job left and no traceback on any console.
+Each "node" is a real torchrun agent started by the command ``subnetdp launch`` prints for it,
+meeting the others at a c10d rendezvous on a port found free at run time. A fixed 2-node job, each
+node started by ``subnetdp launch``, runs to the end; an elastic job (``--nnodes 1:2``) loses a node
+to SIGKILL and finishes at the smaller world; a node that joins a running elastic job makes the
+running worker stop at a step boundary with a checkpoint, and the larger world resumes from exactly
+that step. Every path ends with no process of the job left and no traceback on any console.
 """
 
 from __future__ import annotations
@@ -142,12 +142,15 @@ def _first_step_after(run: Path, moment: float, resumed: int) -> float:
 
 
 def test_two_agents_run_one_job_to_the_end(tmp_path, agents):
-    nodes = Nodes(2, 2, f"127.0.0.1:{free_port()}", "job", rdzv_conf=RDZV)
-    extra = ["train.steps=6", "checkpoint.every=3", "masker.coverage=0.5"]
-    first = _node(agents, tmp_path, nodes, 0, *extra)
-    second = _node(agents, tmp_path, nodes, 1, *extra)
-    assert first.wait() == 0, first.console[-5000:]
-    assert second.wait() == 0, second.console[-5000:]
+    port = free_port()
+    for rank in (0, 1):  # as on two machines: subnetdp launch on each, its torchrun agent, one worker
+        cmd = [sys.executable, "-m", "subnetdp", "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV, *ARGS, f"run.dir={tmp_path}",
+               "run.name=job", "train.steps=6", "checkpoint.every=3", "masker.coverage=0.5"]
+        agents.append(Agent(cmd, tmp_path / f"node{rank}"))
+    for a in agents:
+        assert a.wait() == 0, a.console[-5000:]
+    assert "# node 0, the host of 127.0.0.1:" in agents[0].console and "# node 1:" in agents[1].console
     run = tmp_path / "job"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 6

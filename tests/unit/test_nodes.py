@@ -73,3 +73,20 @@ def test_each_node_gets_torchruns_rendezvous_options():
     assert len(anywhere) == 2 and "is_host" not in anywhere[1]  # torchrun tells the host by its name
     srun = launch_command("srun", 4, ["r"], nodes=Nodes(2, 2))
     assert srun[1:4] == ["--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
+
+
+def test_the_thread_warning_counts_the_nodes_own_ranks(monkeypatch):
+    import os
+    import warnings
+
+    from subnetdp.core.config import warn_threads
+
+    cores = os.cpu_count() or 1
+    cfg = small_config(f"launch.threads_per_rank={cores}")
+    cfg.launch.nproc = 2  # the recipe's count, or all ranks of a multi-node job
+    with pytest.warns(UserWarning, match="launch.nproc=2"):
+        warn_threads(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun: this node runs one rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_threads(cfg)
