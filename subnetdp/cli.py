@@ -89,19 +89,30 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.train.loop import preflight
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
+    from subnetdp.launchers.nodes import node_overrides, nodes_of
 
     if ns.nproc < 1:
         raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
     recipe, overrides = _split_args(ns.args)
+    overrides = overrides + node_overrides(ns)  # --nnodes and the like are launch.* keys
     pm = PluginManager()
-    cfg = load_config(recipe, overrides, pm.registries)
+    # launch.nproc of this launch: the local workers (the recipe's value would steer the thread checks)
+    cfg = load_config(recipe, overrides + [f"launch.nproc={ns.nproc}"], pm.registries)
     if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
         raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
                           "use --launcher mpirun, or comm.name=gloo")
-    # a bad config or plan fails here, before any worker starts (srun's workers run on other machines)
-    preflight(cfg, ns.nproc, pm, machine=ns.launcher != "srun")
+    nodes = nodes_of(cfg, ns.launcher, ns.node_rank)
+    # a bad config or plan fails here, before any worker starts (srun's workers run on other machines),
+    # at every world size the job can take: an elastic job may shrink to its fewest nodes
+    for world in nodes.worlds(ns.nproc):
+        try:
+            preflight(cfg, world, pm, machine=ns.launcher != "srun")
+        except SubnetdpError as e:
+            if not nodes.elastic:
+                raise
+            raise SubnetdpError(f"--nnodes {nodes.spec} x --nproc {ns.nproc}: at {world} rank(s): {e}") from None
     return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
-                      ns.launcher_args.split(), ns.dry_run)
+                      ns.launcher_args.split(), ns.dry_run, nodes)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -318,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mpirun", default=None, metavar="PATH", help="the mpirun to use (default: beside python)")
     p.add_argument("--launcher-args", default="", metavar="'ARGS'", help="extra launcher options as one string, written with '=': --launcher-args='--bind-to core'")
     p.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    from subnetdp.launchers.nodes import add_node_arguments
+
+    add_node_arguments(p)
     _recipe_args(p)
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("plan", help="the mask plan, memory and bytes per rank, without training",

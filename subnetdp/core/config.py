@@ -117,6 +117,15 @@ class LaunchConfig:
     # node has cores for one rank, so above it the number is a typo.
     threads_per_rank: int = doc(f'torch threads per rank (0 = the cores shared evenly; at most {MAX_THREADS_PER_RANK})', 0,
                                 lo=0, hi=MAX_THREADS_PER_RANK, fix="0 shares the cores evenly among the local ranks")
+    nodes: int = doc('nodes of a subnetdp launch job, launch.nproc workers each (the largest number of an elastic job)', 1,
+                     lo=1, fix="1 runs on this node alone")
+    min_nodes: int = doc('fewest nodes an elastic job goes on with (0 = launch.nodes: not elastic; needs resume=auto)', 0,
+                         lo=0, fix="0 makes the job fixed at launch.nodes")
+    max_restarts: int = doc("torchrun's restarts of the worker group after a failure or a lost node (needs resume=auto)", 0,
+                            lo=0, fix="0 ends the job at the first failure")
+    rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents meet (a free port on the node started first)", "")
+    rdzv_id: str = doc("the job's rendezvous id, the same on every node (empty: subnetdp-RUN.NAME)", "")
+    rdzv_conf: str = doc("torchrun's --rdzv-conf, e.g. last_call_timeout=30,join_timeout=600", "")
 
 
 @dataclass
@@ -606,12 +615,18 @@ def check_image_size(cfg: DictConfig) -> None:
 
 
 def warn_threads(cfg: DictConfig) -> None:
-    """More threads per rank than cores for all local ranks: warn (it runs, slowly)."""
+    """More threads per rank than cores for all local ranks: warn (it runs, slowly).
+
+    The local ranks are ``launch.nproc``, or under a launcher the node's own (``LOCAL_WORLD_SIZE``, set by
+    torchrun per node): on a node of a multi-node job the recipe's ``launch.nproc`` says nothing.
+    """
     import warnings
 
     threads, cores = int(cfg.launch.threads_per_rank), os.cpu_count() or 1
-    if threads * max(1, int(cfg.launch.nproc)) > cores:
-        warnings.warn(f"launch.threads_per_rank={threads} x launch.nproc={cfg.launch.nproc} is more threads than "
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks, what = (int(local), "local ranks") if local.isdigit() else (int(cfg.launch.nproc), "launch.nproc")
+    if threads * max(1, ranks) > cores:
+        warnings.warn(f"launch.threads_per_rank={threads} x {what}={ranks} is more threads than "
                       f"the {cores} cores: ranks will slow each other down; 0 shares the cores evenly", stacklevel=2)
 
 

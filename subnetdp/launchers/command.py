@@ -4,6 +4,9 @@ The command runs the same Python as the caller (``sys.executable``), so workers 
 ``subnetdp`` and plugins. ``mpirun`` is the one installed beside that Python (the ``mpich`` wheel
 puts it in the virtual environment's ``bin``): an MPI program started by another MPI's ``mpirun``
 crashes, so a different one must be named explicitly with ``--mpirun``.
+
+A job over several nodes (:class:`~subnetdp.launchers.nodes.Nodes`) runs one torchrun agent per
+node; ``subnetdp launch`` prints the command of every node and runs this node's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Sequence
 
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.launchers.lifetime import run_child_launcher
+from subnetdp.launchers.nodes import Nodes
 
 LAUNCHERS = ("torchrun", "mpirun", "srun")
 
@@ -27,15 +31,17 @@ def venv_mpirun() -> Path:
 
 
 def launch_command(launcher: str, nproc: int, train_args: Sequence[str], mpirun: str | None = None,
-                   extra: Sequence[str] = ()) -> list[str]:
+                   extra: Sequence[str] = (), nodes: Nodes = Nodes(), node_rank: int | None = None) -> list[str]:
     """The argv that starts ``nproc`` workers of ``subnetdp train <train_args>`` on this node.
 
     Args:
         launcher: ``torchrun``, ``mpirun`` or ``srun``.
-        nproc: number of processes.
+        nproc: number of processes (per node).
         train_args: the recipe and ``key=value`` overrides.
         mpirun: path of the ``mpirun`` to use (default: the one beside ``sys.executable``).
         extra: launcher options put before the program (e.g. ``--oversubscribe`` for Open MPI).
+        nodes: the nodes of the job (default: this one alone).
+        node_rank: the node whose command this is (default: ``nodes.node_rank``).
     """
     if launcher not in LAUNCHERS:
         raise ConfigError("--launcher", launcher, f"valid choices: {', '.join(LAUNCHERS)}")
@@ -43,9 +49,18 @@ def launch_command(launcher: str, nproc: int, train_args: Sequence[str], mpirun:
         raise ConfigError("--nproc", nproc, "must be >= 1")
     if launcher == "torchrun":
         # torchrun itself (torch.distributed.run), without relying on the script being on PATH, ending
-        # on a signal with one line instead of a traceback (launchers/torchrun.py).
-        return [sys.executable, "-m", "subnetdp.launchers.torchrun", "--standalone", f"--nproc-per-node={nproc}",
-                *extra, "-m", "subnetdp", "train", *train_args]
+        # on a signal or a failure with one line instead of a traceback (launchers/torchrun.py).
+        if nodes.several:
+            rank = nodes.node_rank if node_rank is None else node_rank
+            conf = nodes.conf_for(rank)
+            where = [f"--nnodes={nodes.spec}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={nodes.run_id}",
+                     *([f"--rdzv-conf={conf}"] if conf else [])]
+        else:
+            where = ["--standalone", f"--nproc-per-node={nproc}"]
+        restarts = [f"--max-restarts={nodes.max_restarts}"] if nodes.max_restarts else []
+        return [sys.executable, "-m", "subnetdp.launchers.torchrun", *where, *restarts, *extra,
+                "-m", "subnetdp", "train", *train_args]
     program = [sys.executable, "-m", "subnetdp", "train", *train_args]
     if launcher == "mpirun":
         exe = Path(mpirun) if mpirun else venv_mpirun()
@@ -55,14 +70,31 @@ def launch_command(launcher: str, nproc: int, train_args: Sequence[str], mpirun:
                               "or pass --mpirun PATH")
         return [str(exe), "-n", str(nproc), *extra, *program]
     exe = shutil.which("srun") or "srun"
+    if nodes.several:
+        return [exe, f"--nodes={nodes.max_nodes}", f"--ntasks={nodes.max_nodes * nproc}",
+                f"--ntasks-per-node={nproc}", *extra, *program]
     return [exe, f"--ntasks={nproc}", *extra, *program]
 
 
+def node_lines(launcher: str, nproc: int, train_args: Sequence[str], extra: Sequence[str], nodes: Nodes) -> list[str]:
+    """What the nodes of a torchrun job over several nodes run: a comment line, then the command, per kind of node."""
+    if nodes.node_rank is None:
+        return [f"# on each of the {nodes.spec} nodes (start the one of {nodes.endpoint} first: its agent hosts the "
+                "rendezvous):", shlex.join(launch_command(launcher, nproc, train_args, None, extra, nodes))]
+    others = "node 1" if nodes.max_nodes == 2 else f"nodes 1-{nodes.max_nodes - 1}"
+    return [f"# node 0, the host of {nodes.endpoint} (start it first):",
+            shlex.join(launch_command(launcher, nproc, train_args, None, extra, nodes, 0)),
+            f"# {others}:", shlex.join(launch_command(launcher, nproc, train_args, None, extra, nodes, 1))]
+
+
 def run_launch(launcher: str, nproc: int, train_args: Sequence[str], mpirun: str | None = None,
-               extra: Sequence[str] = (), dry_run: bool = False) -> int:
-    """Print the command, then run it (unless ``dry_run``); return its exit status."""
-    cmd = launch_command(launcher, nproc, train_args, mpirun, extra)
-    print(shlex.join(cmd), flush=True)
+               extra: Sequence[str] = (), dry_run: bool = False, nodes: Nodes = Nodes()) -> int:
+    """Print the command (and, over several torchrun nodes, every node's), then run it unless ``dry_run``."""
+    cmd = launch_command(launcher, nproc, train_args, mpirun, extra, nodes)
+    if nodes.several and launcher == "torchrun":
+        print("\n".join(node_lines(launcher, nproc, train_args, extra, nodes)), flush=True)
+    else:
+        print(shlex.join(cmd), flush=True)
     if dry_run:
         return 0
     env = dict(os.environ)

@@ -3,18 +3,41 @@
 torchrun turns SIGINT/SIGTERM into a ``SignalException``: it passes the signal to its workers (which
 finish their step, write a checkpoint and exit) and then raises it, so the user's terminal ends in a
 traceback. This entry point runs the same ``torch.distributed.run.main`` and ends that case with one
-line and the exit status ``128 + signal``, as ``subnetdp train launch.nproc=N`` does. Everything else,
-arguments included, is torchrun's.
+line and the exit status ``128 + signal``, as ``subnetdp train launch.nproc=N`` does; a worker group
+that failed with no restart left, or a rendezvous that failed, ends with one line and status 1 (the
+worker's own error is printed above it). Everything else, arguments included, is torchrun's.
+
+Each round of the rendezvous gets a fresh store for its workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+unless set): with the store shared by the agents (torch's default), a node that joins a running
+elastic job waits for an address that the agent that was already rank 0 never publishes again, until the
+store's read timeout (60 s) fails both agents (torch 2.14.1), and a re-formed group could read the keys of the previous one. The workers learn the
+agent's process id (``SUBNETDP_LAUNCHER_PID``), so one whose agent died before it could ask to die
+with it exits at once (:mod:`subnetdp.launchers.lifetime`).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
 
 def main(argv: list[str] | None = None) -> int:
+    from subnetdp.launchers.lifetime import PARENT_ENV
+
+    os.environ.setdefault(SHARE_STORE_ENV, "1")
+    os.environ[PARENT_ENV] = str(os.getpid())  # the workers' parent: they die with this agent
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
     try:
@@ -24,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun: stopped by {name}: the workers were passed the signal and stopped at a step boundary "
               "(the run's newest checkpoint holds that step)", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))
+        print(f"torchrun: a worker failed ({failures}) and no restart is left (--max-restarts); its error is "
+              "printed above", file=sys.stderr, flush=True)
+        return 1
+    except (RendezvousError, DistError) as e:
+        print(f"torchrun: the rendezvous failed ({type(e).__name__}: {_first_line(e)}): the agent that hosts "
+              "the rendezvous endpoint is gone or unreachable, or the nodes did not gather in time",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

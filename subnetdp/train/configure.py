@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig
 
 from subnetdp.core import config as core_config
-from subnetdp.launchers import init_method
+from subnetdp.launchers import init_method, nodes
 from subnetdp.parallel import fsdp
 from subnetdp.sdp import local_steps
 from subnetdp.train import downstream, optim
@@ -27,6 +27,7 @@ def check_config(cfg: DictConfig, registries: dict[str, Any]) -> None:
     """Each subsystem's rules across keys; raises the first :class:`~subnetdp.core.errors.ConfigError`."""
     optim.check_config(cfg)
     init_method.check_config(cfg)
+    nodes.check_config(cfg)
     resume.check_config(cfg)
     fsdp.check_config(cfg, registries)
     local_steps.check_config(cfg)

@@ -40,6 +40,15 @@ def _is_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or "deadline" in text
 
 
+#: What gloo and NCCL say when a peer's process is gone (killed, crashed, or its node left the job).
+PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited")
+
+
+def _is_peer_gone(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(words in text for words in PEER_GONE)
+
+
 def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float) -> list[int]:
     """The members of a timed-out collective that never reported timing out themselves.
 
@@ -127,6 +136,13 @@ class TorchDistCommunicator(Communicator):
         try:
             return call()
         except (dist.DistError, RuntimeError) as e:
+            if _is_peer_gone(e):
+                members = tuple(range(self.world_size)) if group is None else tuple(group)
+                first = str(e).strip().splitlines()[0][:200]
+                # One line, not a traceback per survivor: the agent restarts the group (elastic or
+                # --max-restarts) and resume=auto continues from the newest checkpoint.
+                raise SubnetdpError(f"rank {self.rank} lost a peer in {what} over ranks {members}: a process "
+                                    f"of the job is gone (killed, crashed, or its node left) ({first})") from None
             if not _is_timeout(e):
                 raise
             members = tuple(range(self.world_size)) if group is None else tuple(group)
