@@ -102,7 +102,7 @@ def remove_namespace(ns: str, grace_s: float = 5.0) -> None:
         _made.remove(ns)
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
+def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the finally that removes the namespace
 
 
@@ -111,7 +111,8 @@ def shaped_namespace(rate: str | None, name: str | None = None) -> Iterator[str]
     """A fresh network namespace with its loopback up and (unless ``rate`` is None) shaped to ``rate``.
 
     Yields its name; removes it (and kills what still runs inside) on the way out, whatever happens.
-    SIGTERM is turned into KeyboardInterrupt while inside, so a killed benchmark cleans up too.
+    SIGINT and SIGTERM raise KeyboardInterrupt while inside, so a killed benchmark cleans up too (also
+    when started in the background by a shell, which would have it ignore SIGINT).
 
     Raises:
         LinkError: not root, no ``ip``/``tc``, or a command of the set-up failed.
@@ -121,7 +122,7 @@ def shaped_namespace(rate: str | None, name: str | None = None) -> Iterator[str]
         raise LinkError(why)
     bits = rate_bits(rate) if rate else None
     ns = name or f"{PREFIX}-{os.getpid()}-{len(_made)}"
-    old = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _is_main_thread() else None
+    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)} if _is_main_thread() else {}
     try:
         _ip("ip", "netns", "add", ns)
         _made.append(ns)
@@ -133,8 +134,8 @@ def shaped_namespace(rate: str | None, name: str | None = None) -> Iterator[str]
     finally:
         if ns in _made:
             remove_namespace(ns)
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _is_main_thread() -> bool:

@@ -99,20 +99,30 @@ def test_a_bad_rate_is_refused_before_anything_is_made():
     assert _namespaces() == before
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell does for a job it starts in the background
+
+
 @needs_netns
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_harness_removes_the_namespace_and_what_runs_in_it(tmp_path, sig):
+@pytest.mark.parametrize("sig, background", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                             (signal.SIGINT, True)])
+def test_a_signal_to_the_harness_removes_the_namespace_and_what_runs_in_it(tmp_path, sig, background):
     pidfile = tmp_path / "pid"
     child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
     harness = subprocess.Popen([*HARNESS, "--rate", "1gbit", "--", sys.executable, "-c", child],
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not pidfile.exists() or not pidfile.read_text():
-        assert time.monotonic() < deadline and harness.poll() is None, "the command never started"
-        time.sleep(0.1)
-    inner = int(pidfile.read_text())
-    harness.send_signal(sig)
-    _, err = harness.communicate(timeout=60)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_ignore_sigint if background else None)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.monotonic() < deadline and harness.poll() is None, "the command never started"
+            time.sleep(0.1)
+        inner = int(pidfile.read_text())
+        harness.send_signal(sig)
+        _, err = harness.communicate(timeout=60)
+    finally:
+        if harness.poll() is None:  # the test failed: leave nothing behind
+            harness.send_signal(signal.SIGTERM)
+            harness.communicate(timeout=60)
     assert harness.returncode == 130
     assert _made(err) not in _namespaces()
     assert "namespace removed" in err
