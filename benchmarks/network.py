@@ -265,6 +265,12 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
             span = s["comm_end"] - s["first_launch"]
             hidden.append(min(1.0, max(0.0, (s["backward_end"] - s["first_launch"]) / span)))
     out["overlap"] = statistics.mean(hidden) if hidden else None
+    if local_steps and timed:  # no gradient collective between synchronisations: the sync step's extra time
+        loc = [s["interval_s"] for _, s in timed if not _is_sync(run, s["step"])]
+        syn = [s["interval_s"] for _, s in timed if _is_sync(run, s["step"])]
+        out["sync_extra_s"] = statistics.median(syn) - statistics.median(loc) if loc and syn else None
+    out["link_busy_s"] = (statistics.median(s["comm_end"] - s["first_launch"] for _, s in timed if "comm_end" in s)
+                          if any("comm_end" in s for _, s in timed) else None)
     out["exposed_comm_s"] = (statistics.median(s["comm_end"] - s["backward_end"] for _, s in timed
                                                if "comm_end" in s) if any("comm_end" in s for _, s in timed) else None)
     parts = [(s["first_launch"], s["comm_end"] - s["first_launch"], s["interval_s"] - s["comm_end"])
@@ -329,6 +335,7 @@ def task_report(task: str, out: Path) -> dict[str, Any]:
                                   "ring_wire_per_step": first["ring_wire_per_step"],
                                   "loopback_bytes_per_step_per_rank": first["loopback_bytes_per_step_per_rank"],
                                   "overlap": first["overlap"], "exposed_comm_s": first["exposed_comm_s"],
+                                  "link_busy_s": first["link_busy_s"], "sync_extra_s": first.get("sync_extra_s"),
                                   "collectives_per_step": first["collectives_per_step"],
                                   "hops_per_step": first["hops_per_step"], "load": first["load"]}
         rows[key] = row
@@ -456,6 +463,19 @@ def render_task(task: str, rep: dict[str, Any]) -> str:
                      f"{_mib(c.get('ring_wire_per_step'))} | {_mib(c.get('loopback_bytes_per_step_per_rank'))} | "
                      f"{_f(c.get('overlap'))} | {_f(c.get('exposed_comm_s'))} | "
                      + ", ".join(f"{p} {n:.2g}" for p, n in sorted(coll.items())) + " |")
+    lines += ["", "What the network costs a step (median s over timed steps and ranks): exposed = from the end of "
+              "backward until the last gradient collective completes | busy = from the first gradient collective's "
+              "launch until the last completes; local-steps rows: (synchronising step - local step) / H.", "",
+              "| row | " + " | ".join(f"{l} exposed / busy" for l in LINKS) + " |", "|---|" + "---|" * len(LINKS)]
+    for key, row in rep["rows"].items():
+        cells = []
+        for link in LINKS:
+            c = row["links"].get(link, {})
+            if c.get("sync_extra_s") is not None:
+                cells.append(f"{c['sync_extra_s'] / H:.3f}")
+            else:
+                cells.append(f"{_f(c.get('exposed_comm_s'))} / {_f(c.get('link_busy_s'))}")
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     lines += ["", "torch DDP against subnetdp C=1: C=1 / DDP of runs adjacent in time (each pair shares the "
               "machine's load), and where a step's time goes (median s: until the first gradient collective "
               "launches | until the last completes | after it).", "",
