@@ -169,7 +169,17 @@ def _sdp_rank(rank: int, spec: dict[str, Any], store: str, run_dir: str) -> dict
                                                       "step_time_s", "sync_mode")},
             "eval": run.summary.get("eval"), "owner_sets": len(run.plan.owner_sets()),
             "dense": bool(getattr(_inner(run.averager), "dense", False)),
-            "buckets": _bucket_counts(run.averager)}
+            "buckets": _bucket_counts(run.averager), "bucket_rule": _bucket_rule()}
+
+
+def _bucket_rule() -> str:
+    """How this tree closes gradient buckets: ``reach`` (once they hold the cap, as torch DDP) or ``cap``."""
+    import inspect
+
+    from subnetdp.sdp import sync
+
+    split = getattr(sync, "_split", None)  # recorded so stored runs say which rule measured them
+    return "reach" if split is not None and "reach" in inspect.signature(split).parameters else "cap"
 
 
 def _inner(averager: Any) -> Any:

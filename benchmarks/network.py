@@ -85,6 +85,7 @@ TASK_ROW_EXTRA = {"resnet18": {"b75": ["masker.group_by=model"]}}
 CURVE = {"resnet18": (10, ["eval.batches=1", "eval.bn_recalibrate_batches=5"]), "llama8": (10, [])}
 SHORT_EVAL = {"resnet18": ["eval.batches=1", "eval.batch_size=16", "eval.bn_recalibrate_batches=0"],
               "llama8": ["eval.batches=1", "eval.batch_size=2"]}
+MARK_BEGIN, MARK_END = "<!-- network:begin -->", "<!-- network:end -->"
 ALPHAS_US = (5.0, 50.0)
 # Links of one rank each for the alpha-beta model of the groups part: (hop latency s, bytes/s).
 MODEL_LINKS = {"5 us, 100 Gbit/s": (5e-6, 100e9 / 8), "50 us, 10 Gbit/s": (50e-6, 10e9 / 8),
@@ -344,13 +345,17 @@ def task_report(task: str, out: Path) -> dict[str, Any]:
             base = rows["ddp"]["links"].get(link, {}).get("step_time_s")
             cell["ratio_to_ddp"] = cell["step_time_s"] / base if base and cell["step_time_s"] else None
     ttl = time_to_loss(task, runs, s, rows)
-    pairs = {}
+    pairs: dict[str, dict[str, Any]] = {}
     for link in LINKS:  # C = 1 over torch DDP in runs adjacent in time (the same load on the machine)
-        ratios = [s[f"{link}-c1{x}"]["step_time_s"] / s[f"{link}-ddp{x}"]["step_time_s"]
-                  for x in ("", "-rep", *(f"-p{i}" for i in range(20)))
-                  if f"{link}-c1{x}" in s and f"{link}-ddp{x}" in s]
-        if ratios:
-            pairs[link] = {"ratios": ratios, "median": statistics.median(ratios)}
+        for x in ("", "-rep", *(f"-p{i}" for i in range(20))):
+            c1, ddp = f"{link}-c1{x}", f"{link}-ddp{x}"
+            if c1 in s and ddp in s:
+                rule = runs[c1]["ranks"][0].get("bucket_rule", "cap")  # runs before the field: capped buckets
+                cell = pairs.setdefault(f"{link}, buckets: {rule}", {"ratios": [], "runs": []})
+                cell["ratios"].append(s[c1]["step_time_s"] / s[ddp]["step_time_s"])
+                cell["runs"] += [ddp, c1]
+    for cell in pairs.values():
+        cell["median"] = statistics.median(cell["ratios"])
     rows["c1"]["paired_ratio_to_ddp"] = pairs
     return {"rows": rows, "time_to_loss": ttl, "link_check": link_check(runs), "runs": s}
 
@@ -479,10 +484,11 @@ def render_task(task: str, rep: dict[str, Any]) -> str:
     lines += ["", "torch DDP against subnetdp C=1: C=1 / DDP of runs adjacent in time (each pair shares the "
               "machine's load), and where a step's time goes (median s: until the first gradient collective "
               "launches | until the last completes | after it).", "",
-              "| link | paired ratios C=1 / DDP | median | DDP phases | C=1 phases |", "|---|---|---|---|---|"]
+              "| link, subnetdp's buckets | paired ratios C=1 / DDP | median | DDP phases | C=1 phases |",
+              "|---|---|---|---|---|"]
     for link, pr in rep["rows"]["c1"].get("paired_ratio_to_ddp", {}).items():
-        ph = {k: [rep["runs"][n]["phases_s"] for n in rep["rows"][k]["links"][link]["runs"]
-                  if rep["runs"][n].get("phases_s")] for k in ("ddp", "c1")}
+        ph = {k: [rep["runs"][n]["phases_s"] for n in pr["runs"] if f"-{k}" in n and rep["runs"][n].get("phases_s")]
+              for k in ("ddp", "c1")}
         show = {k: " / ".join(f"{statistics.median(p[i] for p in v):.2f}" for i in range(3)) if v else "-"
                 for k, v in ph.items()}
         lines.append(f"| {link} | {', '.join(f'{r:.3f}' for r in pr['ratios'])} | {pr['median']:.3f} | "
@@ -612,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             report[task] = task_report(task, out / task)
             texts.append(render_task(task, report[task]))
             plot_task(task, report[task], args.docs / f"network_{task}.png")
+            texts[-1] += f"\n\n![{task}: step time against the link](network_{task}.png)"
     gdir = out / f"groups_w{args.group_workers}"
     if gdir.is_dir():
         report["groups"] = groups_report(gdir)
@@ -619,6 +626,11 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(texts)
     print(text)
     (out / "tables.md").write_text(text + "\n")
+    doc = args.docs / "network.md"
+    if doc.is_file() and MARK_BEGIN in doc.read_text():  # the figures of docs/network.md, between its markers
+        head, rest = doc.read_text().split(MARK_BEGIN, 1)
+        tail = rest.split(MARK_END, 1)[1]
+        doc.write_text(f"{head}{MARK_BEGIN}\n{text}\n{MARK_END}{tail}")
     slim = {k: ({**v, "runs": {n: {kk: vv for kk, vv in r.items() if kk != "losses"} for n, r in v["runs"].items()}}
                 if isinstance(v, dict) and "runs" in v else v) for k, v in report.items()}
     (out / "network.json").write_text(json.dumps(slim, indent=1))
