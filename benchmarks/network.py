@@ -515,17 +515,31 @@ def render_task(task: str, rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def default_sync(owner_sets: int) -> str:
+    """What subnetdp picks for a plan of ``owner_sets`` owner sets when ``sync.max_groups`` is left alone."""
+    import dataclasses
+
+    from subnetdp.core.config import SyncConfig
+    from subnetdp.sdp.sync import uses_dense_sync
+
+    default = next(f.default for f in dataclasses.fields(SyncConfig) if f.name == "max_groups")
+    return "dense" if uses_dense_sync(owner_sets, int(default)) else "grouped"
+
+
 def render_groups(rows: dict[str, Any], workers: int) -> str:
     lines = [f"### Many groups: llama8, {workers} workers, C = 0.5, 100 Mbit/s (one shared medium)", "",
-             "| configuration | owner sets | sync | s/step | payload MiB/rank | loopback MiB/rank | collectives/step "
+             "`sync`: the mode the row forced (`sync.max_groups` 1: dense, 1000: grouped); `default`: the mode "
+             "subnetdp picks for that plan with `sync.max_groups` left at its default.", "",
+             "| configuration | owner sets | sync | default | s/step | payload MiB/rank | loopback MiB/rank | collectives/step "
              "(grad + other) | ring hops/step | + latency @5 us | + latency @50 us | hidden | "
              + " | ".join(f"model: {n}" for n in MODEL_LINKS) + " |",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(MODEL_LINKS)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(MODEL_LINKS)]
     for name, r in rows.items():
         coll = r["collectives_per_step"]
         grad = coll.get("step", 0)
         other = sum(v for p, v in coll.items() if p != "step")
         lines.append(f"| {name} | {r['owner_sets']} | {'dense' if r['dense'] else 'grouped'} | "
+                     f"{default_sync(r['owner_sets'])} | "
                      f"{_f(r['step_time_s'], '.2f')} | {_mib(r['payload_per_step'])} | "
                      f"{_mib(r['loopback_bytes_per_step_per_rank'])} | {grad:.0f} + {other:.0f} | {r['hops_total']:.0f} | "
                      f"{r['latency_at_5us_s'] * 1e3:.2f} ms | {r['latency_at_50us_s'] * 1e3:.1f} ms | "
