@@ -6,11 +6,12 @@ partition and the plan alone, so every owner of a piece packs it at the same buc
 its local layout.
 
 Grouped mode (default): one set of buckets per owner set, each all-reduced over its owner group and
-divided by the owner count. A bucket closes once it holds ``sync.bucket_cap_mb`` (torch DDP's rule). A parameter whose pieces all land side by side in one bucket (a whole
-tensor, or dim-0 slices in local order) gets its ``.grad`` as a view into the bucket, as DDP's
-``gradient_as_bucket_view``; the slices of a tensor that mixes owner sets are copied in when its
-gradient is ready and out after the reduction. Buckets launch from post-accumulate-grad hooks as soon
-as they are full, so communication overlaps the rest of backward.
+divided by the owner count. A bucket closes once it holds ``sync.bucket_cap_mb`` (torch DDP's rule).
+A parameter whose pieces all land side by side in one bucket (a whole tensor, or dim-0 slices in
+local order) gets its ``.grad`` as a view into the bucket, as DDP's ``gradient_as_bucket_view``; the
+slices of a tensor that mixes owner sets are copied in when its gradient is ready and out after the
+reduction. Buckets launch from post-accumulate-grad hooks as soon as they are full, so communication
+overlaps the rest of backward.
 
 Dense mode (more distinct owner sets than ``sync.max_groups``): no sub-groups; the items are cut into
 chunks of at most ``sync.bucket_cap_mb`` in one global order, and each chunk is filled with this
