@@ -276,6 +276,10 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
                                                if "comm_end" in s) if any("comm_end" in s for _, s in timed) else None)
     parts = [(s["first_launch"], s["comm_end"] - s["first_launch"], s["interval_s"] - s["comm_end"])
              for _, s in timed if "first_launch" in s]
+    # From the end of backward to the end of the step: what the synchroniser, the update and the loop
+    # cost, without the forward/backward compute whose time the machine's load moves most.
+    after = [s["interval_s"] - s["backward_end"] for _, s in timed if "backward_end" in s]
+    out["after_backward_s"] = statistics.median(after) if after else None
     # Where a step's time goes: before the first gradient collective launches (forward, backward up to
     # the first full bucket), from then until the last one completes, and after (update, loop's own).
     out["phases_s"] = ([statistics.median(p[i] for p in parts) for i in range(3)] if parts else None)
@@ -325,8 +329,8 @@ def task_report(task: str, out: Path) -> dict[str, Any]:
     for key, (label, _, _) in ROWS.items():
         row: dict[str, Any] = {"label": label, "links": {}}
         for link in LINKS:
-            names = [n for n in (f"{link}-{key}", f"{link}-{key}-rep", *(f"{link}-{key}-p{i}" for i in range(20)))
-                     if n in s]
+            # The sweep's own runs (the extra pairs ran later, under another load: their table is below).
+            names = [n for n in (f"{link}-{key}", f"{link}-{key}-rep") if n in s]
             times = [s[n]["step_time_s"] for n in names if s[n]["step_time_s"] is not None]
             if not names:
                 continue
@@ -351,9 +355,11 @@ def task_report(task: str, out: Path) -> dict[str, Any]:
             c1, ddp = f"{link}-c1{x}", f"{link}-ddp{x}"
             if c1 in s and ddp in s:
                 rule = runs[c1]["ranks"][0].get("bucket_rule", "cap")  # runs before the field: capped buckets
-                cell = pairs.setdefault(f"{link}, buckets: {rule}", {"ratios": [], "runs": []})
+                cell = pairs.setdefault(f"{link}, buckets: {rule}", {"ratios": [], "runs": [], "after": []})
                 cell["ratios"].append(s[c1]["step_time_s"] / s[ddp]["step_time_s"])
                 cell["runs"] += [ddp, c1]
+                if s[c1]["after_backward_s"] is not None and s[ddp]["after_backward_s"] is not None:
+                    cell["after"].append((s[ddp]["after_backward_s"], s[c1]["after_backward_s"]))
     for cell in pairs.values():
         cell["median"] = statistics.median(cell["ratios"])
     rows["c1"]["paired_ratio_to_ddp"] = pairs
@@ -483,16 +489,19 @@ def render_task(task: str, rep: dict[str, Any]) -> str:
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     lines += ["", "torch DDP against subnetdp C=1: C=1 / DDP of runs adjacent in time (each pair shares the "
               "machine's load), and where a step's time goes (median s: until the first gradient collective "
-              "launches | until the last completes | after it).", "",
-              "| link, subnetdp's buckets | paired ratios C=1 / DDP | median | DDP phases | C=1 phases |",
-              "|---|---|---|---|---|"]
+              "launches | until the last completes | after it); after backward: from the end of backward to the "
+              "end of the step (median s, DDP / C=1 per pair), the part the forward/backward compute and its "
+              "load noise leave out.", "",
+              "| link, subnetdp's buckets | paired ratios C=1 / DDP | median | DDP phases | C=1 phases | "
+              "after backward DDP / C=1 |", "|---|---|---|---|---|---|"]
     for link, pr in rep["rows"]["c1"].get("paired_ratio_to_ddp", {}).items():
         ph = {k: [rep["runs"][n]["phases_s"] for n in pr["runs"] if f"-{k}" in n and rep["runs"][n].get("phases_s")]
               for k in ("ddp", "c1")}
         show = {k: " / ".join(f"{statistics.median(p[i] for p in v):.2f}" for i in range(3)) if v else "-"
                 for k, v in ph.items()}
+        after = ", ".join(f"{d:.2f} / {c:.2f}" for d, c in pr.get("after", [])) or "-"
         lines.append(f"| {link} | {', '.join(f'{r:.3f}' for r in pr['ratios'])} | {pr['median']:.3f} | "
-                     f"{show['ddp']} | {show['c1']} |")
+                     f"{show['ddp']} | {show['c1']} | {after} |")
     ttl = rep["time_to_loss"]
     lines += ["", f"Time to DDP's validation loss after {ttl.get('target_step')} steps "
               f"({_f(ttl['target_loss'], '.4f')}): crossing step (linear between evaluations) x the row's step time "

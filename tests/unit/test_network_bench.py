@@ -4,6 +4,7 @@ here would silently change every figure of docs/network.md."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -54,3 +55,26 @@ def test_a_local_steps_row_weighs_one_synchronising_step_per_cycle():
     intervals = [5.0, 5.0, *([1.0] * 13), 17.0, 5.0]
     run = _run("h16", intervals, steps=17)
     assert network.summarise(run)["step_time_s"] == pytest.approx((15 * 1.0 + 17.0) / 16)
+
+
+def test_extra_pairs_stay_out_of_the_sweep_and_are_grouped_by_bucket_rule(tmp_path):
+    # The sweep's DDP and C = 1 ran at 2 s a step; a later pair (-p0) ran under more load at 8 and
+    # 4 s: it must not move the sweep's cells or ratios, only the pairs table, filed under its rule.
+    def write(name: str, row: str, seconds: float, rule: str | None = None) -> None:
+        run = _run(row, [seconds] * 6, steps=6)
+        run["run"].update(name=name, seed=0, kind="ddp" if row == "ddp" else "sdp")
+        if rule:
+            run["ranks"][0]["bucket_rule"] = rule
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+
+    write("1gbit-ddp", "ddp", 2.0)
+    write("1gbit-c1", "c1", 2.0)
+    write("1gbit-ddp-p0", "ddp", 8.0)
+    write("1gbit-c1-p0", "c1", 4.0, rule="reach")
+    rep = network.task_report("resnet18", tmp_path)
+    cell = rep["rows"]["ddp"]["links"]["1gbit"]
+    assert cell["runs"] == ["1gbit-ddp"] and cell["step_time_s"] == 2.0
+    assert rep["rows"]["c1"]["links"]["1gbit"]["ratio_to_ddp"] == 1.0
+    pairs = rep["rows"]["c1"]["paired_ratio_to_ddp"]
+    assert pairs["1gbit, buckets: cap"]["ratios"] == [1.0]  # stored before the field: capped buckets
+    assert pairs["1gbit, buckets: reach"]["ratios"] == [0.5]
