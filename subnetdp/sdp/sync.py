@@ -71,8 +71,8 @@ def _split(items: list[Item], cap_elems: int, reach: bool = False) -> list[list[
     ``reach=False``: at most ``cap_elems`` each (an item larger than the cap alone), which bounds the
     memory of dense mode's chunks. ``reach=True``: a bucket closes once it holds at least
     ``cap_elems``, torch DDP's rule: the early buckets are full and the remainder goes to the last
-    bucket, the one still in flight after backward has ended (capping them instead moved 9 MiB more
-    of ResNet-18 behind backward and made C = 1 9% slower than DDP on a 1 Gbit/s link: docs/network.md).
+    bucket, the one still in flight after backward has ended (capping them instead left ResNet-18's
+    last bucket 9 MiB larger than DDP's: docs/network.md).
     """
     out: list[list[Item]] = []
     current: list[Item] = []
