@@ -6,11 +6,12 @@ partition and the plan alone, so every owner of a piece packs it at the same buc
 its local layout.
 
 Grouped mode (default): one set of buckets per owner set, each all-reduced over its owner group and
-divided by the owner count. A parameter whose pieces all land side by side in one bucket (a whole
-tensor, or dim-0 slices in local order) gets its ``.grad`` as a view into the bucket, as DDP's
-``gradient_as_bucket_view``; the slices of a tensor that mixes owner sets are copied in when its
-gradient is ready and out after the reduction. Buckets launch from post-accumulate-grad hooks as soon
-as they are full, so communication overlaps the rest of backward.
+divided by the owner count. A bucket closes once it holds ``sync.bucket_cap_mb`` (torch DDP's rule).
+A parameter whose pieces all land side by side in one bucket (a whole tensor, or dim-0 slices in
+local order) gets its ``.grad`` as a view into the bucket, as DDP's ``gradient_as_bucket_view``; the
+slices of a tensor that mixes owner sets are copied in when its gradient is ready and out after the
+reduction. Buckets launch from post-accumulate-grad hooks as soon as they are full, so communication
+overlaps the rest of backward.
 
 Dense mode (more distinct owner sets than ``sync.max_groups``): no sub-groups; the items are cut into
 chunks of at most ``sync.bucket_cap_mb`` in one global order, and each chunk is filled with this
@@ -64,12 +65,20 @@ class Bucket:
         return len(self.owners)
 
 
-def _split(items: list[Item], cap_elems: int) -> list[list[Item]]:
+def _split(items: list[Item], cap_elems: int, reach: bool = False) -> list[list[Item]]:
+    """Cut ``items`` (kept in order) into buckets.
+
+    ``reach=False``: at most ``cap_elems`` each (an item larger than the cap alone), which bounds the
+    memory of dense mode's chunks. ``reach=True``: a bucket closes once it holds at least
+    ``cap_elems``, torch DDP's rule: the early buckets are full and the remainder goes to the last
+    bucket, the one still in flight after backward has ended (capping them instead left ResNet-18's
+    last bucket 9 MiB larger than DDP's: docs/network.md).
+    """
     out: list[list[Item]] = []
     current: list[Item] = []
     size = 0
     for it in items:
-        if current and size + it.numel > cap_elems:
+        if current and (size >= cap_elems if reach else size + it.numel > cap_elems):
             out.append(current)
             current, size = [], 0
         current.append(it)
@@ -145,7 +154,7 @@ class OwnerGroupAverager(EveryStepSync):
                     by_set.setdefault(it.owners, []).append(it)
             self.buckets = [self._bucket(owners, chunk, own_only=True)
                             for owners in sorted(by_set, key=lambda s: (s == self.world, s))
-                            for chunk in _split(by_set[owners], cap)]
+                            for chunk in _split(by_set[owners], cap, reach=True)]
         # Every piece averaged over the world (C = 1): all ranks hold the same averaged gradient.
         self.replicated = all(it.k == comm.world_size for it in items)
         # The world's last bucket carries W extra slots: per-rank flags (non-finite loss) summed with
