@@ -20,11 +20,10 @@ import torch
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import setup
-from subnetdp.train.optim import build_optimizer, build_schedule
+from subnetdp.train.setup import setup
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.resume import Checkpointer
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.train.checkpoints.source import CheckpointPieces
 from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 
 
@@ -37,20 +36,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config("resnet18_digits", ["comm.name=local", "masker.coverage=1", "launch.nproc=1", f"run.dir={tmp}",
                                           "run.name=bench", "train.batch_size=32", "checkpoint.keep=0"], pm.registries)
-        run = setup(cfg, LaunchEnv(0, 1, 0, 1, "bench"), pm)
-        opt = build_optimizer(cfg.optim, run.model.parameters())
-        sched = build_schedule(cfg.optim, opt, 100)
-        averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm)
-        loader = run.data.train_loader(0, 1, 32)
+        ctx, st = setup(cfg, LaunchEnv(0, 1, 0, 1, "bench"), pm)
+        # The run's own optimizer, schedule and synchroniser: what a checkpoint saves.
+        opt, sched, averager = st.optimizer, st.scheduler, st.synchronizer
+        loader = ctx.data.train_loader(0, 1, 32)
         batches = iter(loader)
-        ckpt = Checkpointer(run, opt, sched, loader)
+        ckpt = Checkpointer(ctx, st, loader)
         ckpt.start()
 
         def step() -> float:
             t0 = time.perf_counter()
             averager.prepare()
             batch = next(batches)
-            run.adapter.loss(run.model(batch[0]), batch).backward()
+            ctx.adapter.loss(st.model(batch[0]), batch).backward()
             averager.finish()
             opt.step()
             sched.step()
@@ -69,10 +67,10 @@ def main() -> None:
                 ck.verify_file(path, name, manifest)
             verifies.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ckpt._load(path)
+            st.replan(st.plan, CheckpointPieces(path, loader))  # a resume: the same plan, loaded in place
             loads.append(time.perf_counter() - t0)
         sizes = {n: e["bytes"] for n, e in manifest["files"].items()}
-    row = {"params": sum(p.numel() for p in run.model.parameters()), "optimizer": str(cfg.optim.name),
+    row = {"params": sum(p.numel() for p in st.model.parameters()), "optimizer": str(cfg.optim.name),
            # one rank: it writes every piece (pieces_0), its buffers (rank_0) and its state
            "rank_bytes": sum(n for f, n in sizes.items() if f.endswith((".safetensors", ".pt"))),
            "step_s": statistics.median(steps), "save_s": statistics.median(saves),

@@ -88,7 +88,7 @@ def bytes_per_step(gloo, rank: int) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from subnetdp.train.loop import build_plan
+    from subnetdp.train.setup import build_plan
     from subnetdp.core.plugins import PluginManager
     from subnetdp.train.configure import load_config
     from subnetdp.core.plan import make_plan

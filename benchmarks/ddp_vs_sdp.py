@@ -164,11 +164,11 @@ def _sdp_worker(rank: int, args: argparse.Namespace, coverage: float, group_by: 
         warnings.simplefilter("ignore")
         run = train(cfg, env, pm)
     if rank == 0:
-        eff = run.plan.effective_coverage(run.partition, group_by)
+        eff = run.state.plan.effective_coverage(run.state.partition, group_by)
         per_rank = [sum(eff[g][r] for g in eff) / len(eff) for r in range(args.world_size)]
-        records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run.context.run_dir / "metrics.jsonl").read_text().splitlines()]
         train_loss = [r["train/loss"] for r in records if "train/loss" in r][-1]
-        result = {"ranks": run.summary["ranks"], "eval": run.summary["eval"], "group_by": group_by,
+        result = {"ranks": run.result.summary["ranks"], "eval": run.result.summary["eval"], "group_by": group_by,
                   "train_loss": train_loss,
                   "effective_coverage": sum(per_rank) / len(per_rank), "effective_coverage_by_group": eff}
         Path(out).write_text(json.dumps(result))

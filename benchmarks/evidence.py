@@ -78,7 +78,7 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from subnetdp.train.configure import load_config
-    from subnetdp.train.loop import build_plan
+    from subnetdp.train.setup import build_plan
     from subnetdp.core.plugins import PluginManager
     from subnetdp.sdp.variants import local_model
 

@@ -85,12 +85,12 @@ def run_loop(comm: str, device: str, tmp: Path, extra: list[str]) -> tuple:
 
 def check_loop(comm: str, device: torch.device, tmp: Path, extra: list[str] = ()) -> tuple:
     run, losses, secs = run_loop(comm, device.type, tmp, list(extra))
-    buckets = run.averager.buckets
+    buckets = run.state.synchronizer.buckets
     on_device = all(b.buffer.device == device for b in buckets) and all(
-        p.device == device for p in run.model.parameters())
+        p.device == device for p in run.state.model.parameters())
     # At world size 1 every bucket has one owner and the synchroniser skips it; push each through
     # the communicator anyway (a fresh process group: the run's was shut down).
-    comm_obj = type(run.comm)(run.cfg.comm, LaunchEnv())
+    comm_obj = type(run.context.comm)(run.context.cfg.comm, LaunchEnv())
     comm_obj.check_environment()
     comm_obj.init()
     try:
@@ -101,12 +101,12 @@ def check_loop(comm: str, device: torch.device, tmp: Path, extra: list[str] = ()
             same &= torch.equal(before, b.buffer)
     finally:
         comm_obj.shutdown()
-    summary = run.summary["ranks"][0]
+    summary = run.result.summary["ranks"][0]
     report(f"loop comm={comm} on {device}", on_device and same and len(losses) == 4,
            f"{len(buckets)} buckets on {buckets[0].buffer.device}, losses {['%.5f' % l for l in losses]}, "
-           f"eval {run.eval_metrics}, peak {summary['peak_memory_bytes'] / 2**20:.1f} MiB "
+           f"eval {run.result.eval_metrics}, peak {summary['peak_memory_bytes'] / 2**20:.1f} MiB "
            f"({summary['memory_measured_by']}), {secs:.1f} s")
-    return losses, run.eval_metrics
+    return losses, run.result.eval_metrics
 
 
 def main() -> int:

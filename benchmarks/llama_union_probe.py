@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from subnetdp.train.configure import load_config  # noqa: E402
 from subnetdp.core.contracts import LaunchEnv  # noqa: E402
-from subnetdp.train.loop import train_loop, setup  # noqa: E402
+from subnetdp.train.loop import train_loop  # noqa: E402
+from subnetdp.train.setup import setup  # noqa: E402
 from subnetdp.sdp.union import assemble_union, evaluate  # noqa: E402
 from tests.helpers import plugin_manager, run_ranks  # noqa: E402
 from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
@@ -51,18 +52,18 @@ def worker(rank: int, world: int, init_method: str, cache: str, steps: int) -> d
         f"run.dir={init_method.removeprefix('file://')}-runs", "train.progress=false", "eval.every=0",
         "launch.threads_per_rank=1", "train.log_every=1000"], plugin_manager().registries)
     pm = plugin_manager()
-    run = setup(cfg, LaunchEnv(rank, world, rank, world, "probe"), pm)
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "probe"), pm)
     try:
-        train_loop(run, pm)
-        out = {"owned": run.plan.owned[rank], "own_subnetwork": evaluate(copy.deepcopy(run.model), run.adapter, run.data, cfg)}
+        train_loop(ctx, st)
+        out = {"owned": st.plan.owned[rank], "own_subnetwork": evaluate(copy.deepcopy(st.model), ctx.adapter, ctx.data, cfg)}
         # collective: every rank takes part in assembling the union model on rank 0.
-        union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model,
-                               run.pmap, run.comm)
+        union = assemble_union(ctx.adapter, ctx.spec, int(cfg.seed), st.partition, st.plan, st.model,
+                               st.pmap, ctx.comm)
         if union is not None:
-            out["union"] = {f"branch_scale_{s:g}": evaluate(scaled(union, s), run.adapter, run.data, cfg) for s in SCALES}
+            out["union"] = {f"branch_scale_{s:g}": evaluate(scaled(union, s), ctx.adapter, ctx.data, cfg) for s in SCALES}
         return out
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def main() -> int:

@@ -78,10 +78,9 @@ def _rank(rank: int, world: int, store: str, recipe: str, overrides: list[str], 
     from subnetdp.train.configure import load_config
     from subnetdp.core.contracts import LaunchEnv
     from subnetdp.core.plugins import PluginManager
-    from subnetdp.train import loop
     from subnetdp.train.checkpoints.resume import Checkpointer
-    from subnetdp.train.meter import RunLogger
-    from subnetdp.train.optim import build_optimizer, build_schedule
+    from subnetdp.train.evaluation import evaluate_run
+    from subnetdp.train.setup import setup
 
     pm = PluginManager()
     cfg = load_config(recipe, overrides + [f"comm.init_method=file://{store}"], pm.registries)
@@ -93,30 +92,28 @@ def _rank(rank: int, world: int, store: str, recipe: str, overrides: list[str], 
     baseline = _status()["VmRSS"]
     _reset_peak()
     t0 = time.perf_counter()
-    run = loop.setup(cfg, LaunchEnv(rank, world, rank, world, "bench"), pm)
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "bench"), pm)
     setup_s = time.perf_counter() - t0
     setup_peak = _status()["VmHWM"]
-    owned = sum(t.numel() * t.element_size() for t in list(run.model.parameters()) + list(run.model.buffers()))
-    run.comm.barrier()
+    owned = sum(t.numel() * t.element_size() for t in list(st.model.parameters()) + list(st.model.buffers()))
+    ctx.comm.barrier()
     _trim()
     _reset_peak()
     eval_base = _status()["VmRSS"]
-    metrics = loop._evaluate(run, RunLogger(run.run_dir, rank, tensorboard=False), 1)
+    metrics = evaluate_run(ctx, st, 1).metrics
     eval_peak = _status()["VmHWM"]
-    optimizer = build_optimizer(cfg.optim, run.model.parameters())
-    scheduler = build_schedule(cfg.optim, optimizer, int(cfg.train.steps))
-    loader = run.data.train_loader(rank, world, int(cfg.train.batch_size))
-    ckpt = Checkpointer(run, optimizer, scheduler, loader)
-    run.comm.barrier()
+    loader = ctx.data.train_loader(rank, world, int(cfg.train.batch_size))
+    ckpt = Checkpointer(ctx, st, loader)
+    ctx.comm.barrier()
     t0 = time.perf_counter()
     path = ckpt.save(1)
     save_s = time.perf_counter() - t0
     disk = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if rank == 0 else 0
-    full = sum(torch.Size(shape).numel() * run.partition.dtypes[n].itemsize for n, shape in run.partition.shapes.items())
+    full = sum(torch.Size(shape).numel() * st.partition.dtypes[n].itemsize for n, shape in st.partition.shapes.items())
     result = {"rank": rank, "baseline": baseline, "setup_peak": setup_peak, "owned": owned, "setup_s": setup_s,
               "eval_base": eval_base, "eval_peak": eval_peak, "save_s": save_s, "checkpoint_bytes": disk,
               "full_bytes": full, "metrics": metrics}
-    run.comm.shutdown()
+    ctx.comm.shutdown()
     Path(out).write_text(json.dumps(result))
 
 

@@ -34,7 +34,8 @@ from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, trai
 from subnetdp.sdp.union import (StreamedUnion, assemble_union, evaluate, evaluate_union,  # noqa: E402
                                 union_branch_scales)
 from subnetdp.sdp.branches import fold_branch_scales  # noqa: E402
-from subnetdp.train.loop import setup, train_loop  # noqa: E402
+from subnetdp.train.loop import train_loop  # noqa: E402
+from subnetdp.train.setup import setup  # noqa: E402
 from tests.helpers import plugin_manager, run_ranks  # noqa: E402
 from _results import results_dir  # noqa: E402
 
@@ -70,34 +71,34 @@ def worker(rank: int, world: int, init_method: str, granularity: str, coverage: 
         "checkpoint.enabled=false", f"masker.granularity={granularity}", f"masker.coverage={coverage}",
         f"comm.init_method={init_method}", f"run.dir={init_method.removeprefix('file://')}-runs",
         f"run.name={granularity}"], pm.registries)
-    run = setup(cfg, LaunchEnv(rank, world, rank, world, "bench"), pm)
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "bench"), pm)
     try:
-        train_loop(run, pm)  # its own last evaluation is streamed; the two below are measured
-        comm = Counted(run.comm)
-        args = (run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model, run.pmap, run.comm)
-        scales = union_branch_scales(cfg, run.partition, run.plan)
-        state = live_state_bytes(training_state_tensors(run.model, run.optimizer, run.averager.state_tensors()))
-        part = run.partition
+        train_loop(ctx, st)  # its own last evaluation is streamed; the two below are measured
+        comm = Counted(ctx.comm)
+        args = (ctx.adapter, ctx.spec, int(cfg.seed), st.partition, st.plan, st.model, st.pmap, ctx.comm)
+        scales = union_branch_scales(cfg, st.partition, st.plan)
+        state = live_state_bytes(training_state_tensors(st.model, st.optimizer, st.synchronizer.state_tensors()))
+        part = st.partition
         out = {"state_bytes": state,
                "full_model_bytes": sum(_numel(part.shapes[n]) * part.dtypes[n].itemsize for n in part.shapes)}
         with TensorMemoryTracker(state) as before:
             union = assemble_union(*args)  # collective
             metrics = None
             if union is not None:
-                fold_branch_scales(run.adapter.branch_output_layers(union), scales)
-                metrics = evaluate(union, run.adapter, run.data, cfg)
+                fold_branch_scales(ctx.adapter.branch_output_layers(union), scales)
+                metrics = evaluate(union, ctx.adapter, ctx.data, cfg)
             del union
         out["assembled"] = {"peak": before.peak, "bytes": comm.take(), "metrics": metrics}
         with TensorMemoryTracker(state) as after:
-            metrics = evaluate_union(*args, run.data, cfg, scales)  # collective
+            metrics = evaluate_union(*args, ctx.data, cfg, scales)  # collective
         out["streamed"] = {"peak": after.peak, "bytes": comm.take(), "metrics": metrics}
-        with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
+        with StreamedUnion(ctx.adapter, ctx.spec, st.partition, st.plan, st.model, st.pmap, ctx.comm,
                            scales) as probe:
             out["block_bytes"], out["staging_bytes"] = probe.block_bytes, probe.staging_bytes
             out["resident_bytes"] = probe.resident_bytes
         return out
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def _numel(shape) -> int:

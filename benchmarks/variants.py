@@ -175,7 +175,7 @@ def _sdp_worker(rank: int, world: int, args: argparse.Namespace, variant: str, c
                   pm.registries)
     run = train(cfg, LaunchEnv(rank, world, rank, world, "benchmark"), pm)
     if rank == 0:
-        Path(out).write_text(json.dumps({"ranks": run.summary["ranks"], "eval": run.summary["eval"]}))
+        Path(out).write_text(json.dumps({"ranks": run.result.summary["ranks"], "eval": run.result.summary["eval"]}))
 
 
 def group_by(granularity: str, coverage: float) -> str:

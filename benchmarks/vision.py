@@ -136,8 +136,8 @@ def _sdp_run(rank: int, world: int, init: str, overrides: list[str]) -> dict:
     cfg = load_config(None, overrides + [f"comm.init_method={init}"], PluginManager().registries)
     t0 = time.perf_counter()
     run = train(cfg, LaunchEnv(rank, world, rank, world, "benchmark"))
-    mine = run.summary["ranks"][rank]
-    return {"eval": run.eval_metrics, "wall_s": time.perf_counter() - t0, "params_held": mine["params_held"],
+    mine = run.result.summary["ranks"][rank]
+    return {"eval": run.result.eval_metrics, "wall_s": time.perf_counter() - t0, "params_held": mine["params_held"],
             "step_time_s": mine["step_time_s"]}
 
 

@@ -6,9 +6,9 @@ freezes it, so a change here is deliberate.
 """
 
 from subnetdp.core.contracts import (CommConfig, Communicator, DataConfig, DataModule, DataSpec, DoneHandle,
-                                     GradSynchronizer, Handle, HiddenSite, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
-                                     ModelConfig, ParamMap, Parallelism, Partition, Piece, ResumableLoader, Run, TensorSlice,
-                                     Unit)
+                                     Handle, HiddenSite, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
+                                     ModelConfig, ParamMap, Partition, Piece, ResumableLoader, RunContext, RunResult,
+                                     TensorSlice, TrainStateView, Unit)
 from subnetdp.core.errors import (CheckpointError, ConfigError, NonFiniteError, PlanError, RankMismatchError,
                                   SubnetdpError, suggest)
 from subnetdp.core.hookspecs import hookimpl
@@ -19,8 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CommConfig", "Communicator", "ConfigError", "DataConfig", "DataModule", "DataSpec",
-    "DoneHandle", "GROUP_BY", "GradSynchronizer", "Handle", "HiddenSite", "LaunchEnv", "MaskPlan", "Masker", "MaskerConfig",
-    "ModelAdapter", "ModelConfig", "NonFiniteError", "ParamMap", "Parallelism", "Partition", "Piece", "PlanError",
-    "RankMismatchError", "Registry", "ResumableLoader", "Run", "SubnetdpError", "TensorSlice", "Unit",
+    "DoneHandle", "GROUP_BY", "Handle", "HiddenSite", "LaunchEnv", "MaskPlan", "Masker", "MaskerConfig",
+    "ModelAdapter", "ModelConfig", "NonFiniteError", "ParamMap", "Partition", "Piece", "PlanError",
+    "RankMismatchError", "Registry", "ResumableLoader", "RunContext", "RunResult", "SubnetdpError", "TensorSlice",
+    "TrainStateView", "Unit",
     "group_units", "hookimpl", "suggest", "units_kept",
 ]

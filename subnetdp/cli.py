@@ -44,7 +44,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if _already_finished(cfg, env):
         return 0
     if env.launcher == "none" and nproc > 1:
-        from subnetdp.train.loop import preflight
+        from subnetdp.train.setup import preflight
         from subnetdp.launchers.local import launch_local
 
         # Fail on a bad plan or a busy run directory here, before any worker or process group exists.
@@ -86,7 +86,7 @@ def _already_finished(cfg, env) -> bool:
 def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.train.configure import load_config
     from subnetdp.core.errors import ConfigError
-    from subnetdp.train.loop import preflight
+    from subnetdp.train.setup import preflight
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
     from subnetdp.launchers.nodes import node_overrides, nodes_of
@@ -117,7 +117,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.train.configure import load_config
-    from subnetdp.train.meter import plan_figure
+    from subnetdp.train.report import plan_figure
     from subnetdp.core.plan import MaskPlan
     from subnetdp.plan.report import format_report, plan_report
     from subnetdp.core.errors import ConfigError

@@ -197,17 +197,18 @@ def lm_config(init_method: str, cache: str, *overrides: str):
 def train_gathered(cfg, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Train (setup and the loop, as a worker does), then read the full (gathered) parameters before the process group goes away."""
     from subnetdp.core.contracts import LaunchEnv
-    from subnetdp.train.loop import set_threads, setup, train_loop
+    from subnetdp.train.loop import train_loop
+    from subnetdp.train.setup import set_threads, setup
 
     env = LaunchEnv(rank, world, rank, world, "test")
     pm = plugin_manager()
     set_threads(cfg, env)
-    run = setup(cfg, env, pm)
+    ctx, state = setup(cfg, env, pm)
     try:
-        train_loop(run, pm)
-        sharded = {n: type(p).__name__ for n, p in run.model.named_parameters()}
-        with run.parallel.gathered():  # collective over each shard group
-            params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        result = train_loop(ctx, state)
+        sharded = {n: type(p).__name__ for n, p in state.model.named_parameters()}
+        with state.parallel.gathered(state.model):  # collective over each shard group
+            params = {n: p.detach().clone() for n, p in state.model.named_parameters()}
     finally:
-        run.comm.shutdown()
-    return params, run.summary, sharded
+        ctx.comm.shutdown()
+    return params, result.summary, sharded

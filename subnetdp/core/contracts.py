@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Optional, Sequence
 
 from subnetdp.core.fields import WRITES, doc, writing_keys  # noqa: F401  (re-exported: plugins declare fields with doc)
 
@@ -701,131 +701,109 @@ def config_fields(cfg_cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cfg_cls)]
 
 
-# --------------------------------------------------------------------------- the synchroniser and a run
+# --------------------------------------------------------------------------- what lifecycle hooks receive
 
 
-class GradSynchronizer(Protocol):
-    """What the step asks of a gradient synchroniser (``OwnerGroupAverager``, ``ShardedOwnerAverager``).
+@dataclass(frozen=True)
+class RunContext:
+    """What a run is, fixed at set-up: read by everything after it, changed by nothing.
 
-    Per step: :meth:`prepare`, the micro-batches' backward (all but the last inside :meth:`no_sync`),
-    :meth:`carry` of the inf/NaN flags, :meth:`finish` (collective: owner groups average), then
-    :meth:`grad_norm` / :meth:`scale_grads_` for clipping.
+    Built by ``subnetdp.train.setup.setup`` once the process group exists and the run directory is
+    locked; lifecycle hooks receive it as ``context``. Its fields cannot be reassigned and its config is
+    read-only (OmegaConf's read-only flag); anything decided lazily (rank 0's timestamped run name) is
+    resolved before it is made.
+
+    Attributes:
+        cfg: the run's config (read-only).
+        env: where this process sits (rank, world size, launcher).
+        comm: the communicator (process groups exist).
+        plugins: the plugin manager (``plugins.hook`` calls the hooks).
+        adapter, data: the model adapter and data module selected by name.
+        spec: the data's :class:`DataSpec`.
+        run_dir: ``run.dir/run.name``.
+        lock: rank 0's hold on ``run_dir`` (one job per run directory), None on other ranks.
+        tasks: ``eval.tasks``: the lm-eval tasks, loaded with their data at set-up; else None.
     """
-
-    dense: bool
-    replicated: bool
-
-    def prepare(self) -> None:
-        """Drop the last step's gradients (before the memory baseline of a measured step)."""
-
-    def no_sync(self) -> ContextManager[None]:
-        """Accumulate gradients locally: no collective inside the block."""
-
-    def carry(self, flags: "torch.Tensor") -> bool:
-        """Let ``flags`` (float64, one per rank) ride along this step's collectives; False if it cannot."""
-
-    def carried(self) -> "Optional[torch.Tensor]":
-        """The world's sum of the carried flags, after :meth:`finish`."""
-
-    def finish(self) -> None:
-        """Average this step's gradients over each unit's owners. Collective."""
-
-    def local_grads(self) -> "list[torch.Tensor]":
-        """This rank's (averaged, after :meth:`finish`) gradients."""
-
-    def grad_norm(self, flags: "Optional[torch.Tensor]" = None) -> float:
-        """Norm of the averaged full-model gradient, each unit once; ``flags`` are summed over the world."""
-
-    def scale_grads_(self, coef: float) -> None:
-        """Multiply every gradient by ``coef`` in place."""
-
-    def defer_nonfinite(self, step: int) -> bool:
-        """A non-finite loss or gradient at ``step`` was seen on some rank: True if this synchroniser
-        takes it over (local steps: this rank skips its inner step and every rank hears of it at the
-        next synchronisation), False to let the guard apply ``train.on_nonfinite`` now."""
-
-    def bytes_per_step(self) -> int:
-        """Payload this rank hands to gradient collectives per step."""
-
-    def state_tensors(self) -> "list[torch.Tensor]":
-        """Persistent buffers, for memory accounting."""
-
-    def remove_hooks(self) -> None:
-        """Detach from the model (before the plan is re-drawn)."""
-
-    def owner_groups(self) -> "list[tuple[int, ...]]":
-        """The owner sets this rank averages with."""
-
-    def describe(self) -> "dict[str, Any]":
-        """This synchroniser's fields of the summary (per rank): ``sync_mode`` and its figures."""
-
-
-class Parallelism(Protocol):
-    """What the loop asks of the parallelisms applied to a rank's model from outside it (activation
-    checkpointing, compile, precision, FSDP): ``subnetdp.parallel.apply.RankParallelism``.
-
-    Without FSDP every method is the plain path, so the loop never branches on "sharded or not".
-    """
-
-    fsdp_bytes: int
-    fsdp_wire: float
-    fsdp_by_kind: dict[str, float]
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the model is sharded with FSDP (``fsdp.shard_size`` > 1)."""
-
-    def averager(self) -> GradSynchronizer:
-        """The gradient synchroniser for this rank's (possibly sharded) model. Collective (creates groups)."""
-
-    def autocast(self) -> ContextManager[Any]:
-        """The forward's autocast context (bf16 without FSDP; FSDP's policy casts when sharded)."""
-
-    def memory_tracker(self, baseline: int) -> ContextManager[Any]:
-        """The tensor-memory tracker of the measured step (its ``peak`` in bytes after the block)."""
-
-    def gathered(self, writeback: bool = False) -> ContextManager[None]:
-        """The model with full (unsharded) parameters inside the block. Collective when sharded."""
-
-    def counting(self, active: bool) -> ContextManager[None]:
-        """Measure FSDP's own collectives during the block into ``fsdp_bytes`` / ``fsdp_by_kind``."""
-
-    def optimizer_state_full(self, optimizer: "torch.optim.Optimizer") -> list[dict]:
-        """Each optimizer parameter's state, sharded state gathered to full tensors. Collective when sharded."""
-
-    def optimizer_state_from_full(self, optimizer: "torch.optim.Optimizer") -> None:
-        """After loading full-shaped state: each rank keeps its shards."""
-
-    def describe(self) -> dict[str, Any]:
-        """Figures for the summary (shard size, precision, checkpointed and compiled blocks, sync mode)."""
-
-
-@dataclass
-class Run:
-    """The handles of one running (or finished) training run; handed to lifecycle hooks."""
 
     cfg: "DictConfig"
     env: LaunchEnv
-    comm: "Communicator"
-    adapter: "ModelAdapter"
-    data: "DataModule"
+    comm: Communicator
+    plugins: Any
+    adapter: ModelAdapter
+    data: DataModule
     spec: DataSpec
-    partition: Partition
-    plan: "MaskPlan"
-    model: "nn.Module"
-    pmap: ParamMap
     run_dir: Path
-    optimizer: "Optional[torch.optim.Optimizer]" = None
-    averager: Optional[GradSynchronizer] = None
-    parallel: Optional[Parallelism] = None  # made by subnetdp.parallel.apply.parallelize (a floor above)
-    lock: Any = None  # rank 0's hold on run_dir, one job per run directory (subnetdp.train.runlock, a floor above)
-    step: int = 0
-    eval_metrics: dict[str, float] = field(default_factory=dict)
-    eval_union: dict[str, Any] = field(default_factory=dict)  # how the union was evaluated (summary.json)
-    alignment: list[dict[str, float]] = field(default_factory=list)  # train.grad_alignment_every
-    downstream: Any = None  # eval.tasks: the lm-eval tasks, loaded with their data at set-up; else None
-    summary: dict[str, Any] = field(default_factory=dict)
+    lock: Any = None
+    tasks: Any = None
 
     @property
     def rank(self) -> int:
         return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+class TrainStateView(abc.ABC):
+    """What lifecycle hooks see of a rank's training state (``subnetdp.train.state.TrainState``): read-only.
+
+    Properties only, so a hook cannot replace a field. ``model`` and ``optimizer`` are the live
+    objects the loop trains: reading them is what a hook is for; changing their tensors changes the
+    run (and, unless every owner does the same, breaks the invariant that owners hold identical
+    values). The plan and model change when the plan is re-drawn (``masker.resample_every``).
+    """
+
+    @property
+    @abc.abstractmethod
+    def step(self) -> int:
+        """Steps done so far (0 before the first)."""
+
+    @property
+    @abc.abstractmethod
+    def partition(self) -> Partition:
+        """The full model's partition into units and shared tensors."""
+
+    @property
+    @abc.abstractmethod
+    def plan(self) -> "MaskPlan":
+        """The mask plan the rank trains under now."""
+
+    @property
+    @abc.abstractmethod
+    def model(self) -> "nn.Module":
+        """This rank's model (its subnetwork, or the masked full model), the live module."""
+
+    @property
+    @abc.abstractmethod
+    def pmap(self) -> ParamMap:
+        """Where each of the model's tensors lies in the full model."""
+
+    @property
+    @abc.abstractmethod
+    def optimizer(self) -> "torch.optim.Optimizer":
+        """The rank's optimizer (over the model's trainable parameters)."""
+
+    @property
+    @abc.abstractmethod
+    def scheduler(self) -> Any:
+        """The learning-rate schedule (a ``torch.optim.lr_scheduler.LRScheduler``)."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run produced, returned by the loop; ``subnetdp_on_run_end`` receives it.
+
+    Attributes:
+        summary: the run's summary, as written to ``RUN_DIR/summary.json``.
+        eval_metrics: the last evaluation's metrics (the union model's; lm-eval scores on rank 0).
+        eval_union: how the union model was evaluated (``summary.json``'s ``eval_union``).
+        alignment: the gradient-alignment records (``train.grad_alignment_every``), one per probed step.
+        step: the last step trained.
+    """
+
+    summary: dict[str, Any]
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_union: dict[str, Any] = field(default_factory=dict)
+    alignment: list[dict[str, float]] = field(default_factory=list)
+    step: int = 0

@@ -115,6 +115,14 @@ class PluginManager:
     def hook(self) -> Any:
         return self.pm.hook
 
+    def register(self, plugin: Any, name: str | None = None) -> None:
+        """Add a plugin object for this process only (the run's built-in reporter); its hook names are checked."""
+        self.pm.register(plugin, name=name)
+        self.check_pending()
+
+    def unregister(self, plugin: Any) -> None:
+        self.pm.unregister(plugin)
+
     def _load_entry_points(self) -> None:
         """Register every ``subnetdp`` entry point; two packages using one name is an error."""
         from importlib.metadata import distributions

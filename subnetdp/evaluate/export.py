@@ -36,7 +36,7 @@ from torch import nn
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
-from subnetdp.train.checkpoints.resume import read_plan
+from subnetdp.train.checkpoints.source import read_plan
 from subnetdp.core.contracts import DataSpec, ModelAdapter, Partition, TensorSlice
 from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
 from subnetdp.core.plan import MaskPlan

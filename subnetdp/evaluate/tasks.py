@@ -31,7 +31,7 @@ def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_pa
     """
     from subnetdp.evaluate.hf import run_tokenizer
     from subnetdp.train.downstream import (load_tasks, make_lm, require_lm_eval, resolve_device, run_tasks,
-                                           set_offline, task_manager, write_results)
+                                           set_offline, task_manager)
 
     set_offline(offline)
     require_lm_eval()
@@ -51,3 +51,18 @@ def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_pa
     step = int(loaded.manifest["step"])
     written = write_results(ckpt.parent.parent, step, results)
     return loaded, results, written
+
+
+def write_results(run_dir: Path, step: int, results: dict[str, Any]) -> Path:
+    """``RUN_DIR/lm_eval/step_XXXXXXXX.json``, and ``lm_eval/<task>/<metric>`` scalars at ``step`` in the
+    run's TensorBoard and ``metrics.jsonl`` (as a run's own in-run evaluation writes them)."""
+    from subnetdp.train.downstream import save_results, scalars
+    from subnetdp.train.report import RunLogger
+
+    out = save_results(run_dir, step, results)
+    values = {f"lm_eval/{k}": v for k, v in scalars(results).items()}
+    log = RunLogger(Path(run_dir), 0, True)
+    log.scalars(step, values)
+    log.jsonl({"step": step, **values})
+    log.close()
+    return out

@@ -1,71 +1,117 @@
-"""What the loop asks of the parallelisms: :func:`parallelize` and the :class:`RankParallelism` it returns
-(the :class:`~subnetdp.core.contracts.Parallelism` protocol)."""
+"""What the training state asks of the parallelisms applied to a rank's model from outside it: the
+:class:`Parallelism` protocol and its implementation, :class:`RankParallelism`."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
 
-from subnetdp.core.contracts import GradSynchronizer
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.core.contracts import Communicator, ModelAdapter
 from subnetdp.parallel.checkpointing import apply_ac
 from subnetdp.parallel.compile import apply_compile
+
+
+class Parallelism(Protocol):
+    """What the training state, meter and checkpointer ask of the parallelisms applied to a rank's
+    model from outside it (activation checkpointing, compile, precision, FSDP).
+
+    Without FSDP every method is the plain path, so nothing above branches on "sharded or not". It
+    holds no model: :meth:`apply` is given one (again after a re-plan), the rest take it where needed.
+    """
+
+    fsdp_bytes: int
+    fsdp_wire: float
+    fsdp_by_kind: dict[str, float]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded with FSDP (``fsdp.shard_size`` > 1)."""
+
+    def apply(self, model: nn.Module, adapter: ModelAdapter) -> None:
+        """Checkpointing, compile and FSDP on ``model``'s blocks, from outside it. Collective when sharded."""
+
+    def sharding(self) -> Any:
+        """What the synchroniser factory is given for sharded gradients, or None without FSDP."""
+
+    def autocast(self) -> ContextManager[Any]:
+        """The forward's autocast context (bf16 without FSDP; FSDP's policy casts when sharded)."""
+
+    def memory_tracker(self, baseline: int) -> ContextManager[Any]:
+        """The tensor-memory tracker of the measured step (its ``peak`` in bytes after the block)."""
+
+    def gathered(self, model: nn.Module, writeback: bool = False) -> ContextManager[None]:
+        """``model`` with full (unsharded) parameters inside the block. Collective when sharded."""
+
+    def counting(self, active: bool) -> ContextManager[None]:
+        """Measure FSDP's own collectives during the block into ``fsdp_bytes`` / ``fsdp_by_kind``."""
+
+    def optimizer_state_full(self, optimizer: torch.optim.Optimizer) -> list[dict]:
+        """Each optimizer parameter's state, sharded state gathered to full tensors. Collective when sharded."""
+
+    def optimizer_state_from_full(self, optimizer: torch.optim.Optimizer) -> None:
+        """After loading full-shaped state: each rank keeps its shards."""
+
+    def describe(self) -> dict[str, Any]:
+        """Figures for the summary (shard size, precision, checkpointed and compiled blocks)."""
 
 
 class RankParallelism:
     """Activation checkpointing, compile, precision and (optionally) FSDP of one rank's model.
 
-    Without FSDP every method is the plain path: the loop never branches on "sharded or not".
+    Without FSDP every method is the plain path: nothing above branches on "sharded or not".
+
+    Args:
+        cfg: the run config (``train.activation_checkpointing``, ``train.compile``, ``train.precision``,
+            ``fsdp.*``).
+        comm: the communicator (FSDP's device mesh is made over its world).
     """
 
-    def __init__(self, run: Any) -> None:
-        cfg = run.cfg
-        self.run = run
+    def __init__(self, cfg: Any, comm: Communicator) -> None:
+        self.comm = comm
         self.shard_size = int(cfg.fsdp.shard_size)
         self.precision = str(cfg.train.precision)
-        blocks = run.adapter.blocks(run.model)
-        self.checkpointed = apply_ac(blocks, int(cfg.train.activation_checkpointing))
-        self.compiled = apply_compile(blocks, str(cfg.train.compile_backend)) if cfg.train.compile else 0
-        self.mesh = None
-        self.synchroniser: GradSynchronizer | None = None  # made by :meth:`averager`
+        self.ac_every = int(cfg.train.activation_checkpointing)
+        self.compile_backend = str(cfg.train.compile_backend) if cfg.train.compile else None
+        self.reshard_after_forward = bool(cfg.fsdp.reshard_after_forward)
+        self.reduce_each_micro_batch = bool(cfg.fsdp.reduce_each_micro_batch)
+        self.checkpointed: list[int] = []
+        self.compiled = 0
+        self.mesh: Any = None
         # FSDP's all-gather and reduce-scatter bytes of one step, measured by :meth:`counting`.
         self.fsdp_bytes, self.fsdp_wire, self.fsdp_by_kind = 0, 0.0, {}
-        if self.shard_size > 1:
-            from subnetdp.parallel import fsdp
-
-            self.mesh = fsdp.replica_mesh(run.comm, self.shard_size)
-            fsdp.apply_fsdp(run.model, blocks, self.mesh["shard"], fsdp.mixed_precision(self.precision),
-                            bool(cfg.fsdp.reshard_after_forward))
 
     @property
     def sharded(self) -> bool:
         return self.shard_size > 1
 
-    def averager(self) -> GradSynchronizer:
-        """The gradient synchroniser for this rank's (possibly sharded) model. Collective (creates groups)."""
-        run, cfg = self.run, self.run.cfg
-        if str(cfg.sync.mode) == "local_steps":  # FSDP is refused for it before any process group exists
-            from subnetdp.sdp.local_steps import LocalStepsSynchronizer
+    def apply(self, model: nn.Module, adapter: ModelAdapter) -> None:
+        """Checkpointing, compile and FSDP, in that order (as torchtitan does), on ``model``'s blocks.
 
-            s = cfg.sync
-            sync: GradSynchronizer = LocalStepsSynchronizer(
-                run.model, run.pmap, run.plan, run.partition, run.comm, int(s.every), float(s.outer_lr),
-                float(s.outer_momentum), bool(s.outer_on_host), float(s.bucket_cap_mb), int(s.max_groups),
-                on_nonfinite=str(cfg.train.on_nonfinite))
-        elif self.sharded:
-            from subnetdp.parallel.fsdp import ShardedOwnerAverager
+        Collective when sharded: the device mesh is created on the first call (on every rank) and
+        reused after a re-plan.
+        """
+        blocks = adapter.blocks(model)
+        self.checkpointed = apply_ac(blocks, self.ac_every)
+        self.compiled = apply_compile(blocks, self.compile_backend) if self.compile_backend else 0
+        if self.sharded:
+            from subnetdp.parallel import fsdp
 
-            sync = ShardedOwnerAverager(run.model, run.pmap, run.plan.replicas(self.shard_size), run.partition,
-                                        run.comm, self.shard_size, float(cfg.sync.bucket_cap_mb),
-                                        bool(cfg.fsdp.reduce_each_micro_batch))
-        else:
-            sync = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
-                                      float(cfg.sync.bucket_cap_mb), int(cfg.sync.max_groups))
-        self.synchroniser = sync
-        return sync
+            if self.mesh is None:
+                self.mesh = fsdp.replica_mesh(self.comm, self.shard_size)
+            fsdp.apply_fsdp(model, blocks, self.mesh["shard"], fsdp.mixed_precision(self.precision),
+                            self.reshard_after_forward)
+
+    def sharding(self) -> Any:
+        """What :func:`~subnetdp.sdp.synchronizers.make_synchronizer` needs for sharded gradients
+        (:class:`~subnetdp.parallel.fsdp.Sharding`: FSDP's averager), or None."""
+        if not self.sharded:
+            return None
+        from subnetdp.parallel.fsdp import Sharding
+
+        return Sharding(self.shard_size, self.reduce_each_micro_batch)
 
     def autocast(self) -> Any:
         """bf16 autocast around forward and loss; FSDP's mixed-precision policy casts when sharded.
@@ -74,7 +120,7 @@ class RankParallelism:
         would outlive the blocks whose activations were dropped (1.4 GiB at 1B LLaMA), and the
         recomputation casts again anyway.
         """
-        return autocast_for(self.precision, self.run.comm.device.type, self.sharded, bool(self.checkpointed))
+        return autocast_for(self.precision, self.comm.device.type, self.sharded, bool(self.checkpointed))
 
     def memory_tracker(self, baseline: int) -> Any:
         """The dispatch-level tracker of the measured step; with FSDP it counts shards and gathers."""
@@ -87,14 +133,14 @@ class RankParallelism:
         return TensorMemoryTracker(baseline)
 
     @contextlib.contextmanager
-    def gathered(self, writeback: bool = False) -> Iterator[None]:
-        """The model with full (unsharded) parameters inside the block. Collective when sharded."""
+    def gathered(self, model: nn.Module, writeback: bool = False) -> Iterator[None]:
+        """``model`` with full (unsharded) parameters inside the block. Collective when sharded."""
         if not self.sharded:
             yield
             return
         from subnetdp.parallel.fsdp import gathered
 
-        with gathered(self.run.model, writeback):
+        with gathered(model, writeback):
             yield
 
     @contextlib.contextmanager
@@ -132,9 +178,8 @@ class RankParallelism:
             state_from_full(optimizer)
 
     def describe(self) -> dict[str, Any]:
-        sync = self.synchroniser.describe() if self.synchroniser is not None else {"sync_mode": "every_step"}
         return {"fsdp_shard_size": self.shard_size, "precision": self.precision,
-                "activation_checkpointing": len(self.checkpointed), "compiled_blocks": self.compiled, **sync}
+                "activation_checkpointing": len(self.checkpointed), "compiled_blocks": self.compiled}
 
 
 def autocast_for(precision: str, device_type: str, sharded: bool, checkpointed: bool) -> Any:
@@ -142,11 +187,6 @@ def autocast_for(precision: str, device_type: str, sharded: bool, checkpointed: 
     if precision == "bf16" and not sharded:
         return torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=not checkpointed)
     return contextlib.nullcontext()
-
-
-def parallelize(run: Any) -> RankParallelism:
-    """Apply checkpointing, compile and FSDP (in that order, as torchtitan does) to ``run.model``."""
-    return RankParallelism(run)
 
 
 def local_numel(model: nn.Module) -> int:

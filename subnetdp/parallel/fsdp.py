@@ -32,7 +32,7 @@ from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
 from subnetdp.core.errors import ConfigError
 from subnetdp.parallel.memory import TensorMemoryTracker
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import EveryStepSync, clip_to, world_norm
+from subnetdp.sdp.sync import EveryStepSync, SyncSettings, clip_to, world_norm
 
 
 def check_config(cfg: Any, registries: dict[str, Any]) -> None:
@@ -249,6 +249,26 @@ class ShardedMemoryTracker(TensorMemoryTracker):
     def __exit__(self, *exc: Any) -> Any:
         torch.UntypedStorage.resize_ = self._orig_resize
         return super().__exit__(*exc)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What :func:`~subnetdp.sdp.synchronizers.make_synchronizer` is given for a sharded model: it builds the
+    :class:`ShardedOwnerAverager` (``sdp/`` stands below ``parallel/`` and does not know it).
+
+    Attributes:
+        shard_size: S, the ranks of one replica (``fsdp.shard_size``).
+        reduce_each_micro_batch: FSDP reduce-scatters every micro-batch (``fsdp.reduce_each_micro_batch``).
+    """
+
+    shard_size: int
+    reduce_each_micro_batch: bool = True
+
+    def __call__(self, settings: SyncSettings, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
+                 comm: Communicator) -> "ShardedOwnerAverager":
+        # The plan is over the W ranks (MaskPlan.replicated); the averager works over the R replicas.
+        return ShardedOwnerAverager(model, pmap, plan.replicas(self.shard_size), partition, comm, self.shard_size,
+                                    settings.bucket_cap_mb, self.reduce_each_micro_batch)
 
 
 @dataclass(eq=False)

@@ -14,6 +14,7 @@ go to :class:`DryRunCommunicator`, which does nothing but count the payload.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -23,9 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from subnetdp.core.contracts import Communicator, DataSpec, LaunchEnv, ModelAdapter, NullCommunicator, ParamMap, Partition
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
-from subnetdp.train.step import train_step
+from subnetdp.train.step import StepContext, train_step
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.sync import SyncSettings
+from subnetdp.sdp.synchronizers import make_synchronizer
 from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.variants import is_backward, local_model
 
@@ -144,8 +146,10 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
     with fake:
         fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
         optimizer = build_optimizer(cfg.optim, model.parameters())
-        averager = OwnerGroupAverager(model, pmap, plan, partition, comm, float(cfg.sync.bucket_cap_mb),
-                                      int(cfg.sync.max_groups))
+        # Local steps: the heaviest step of a cycle is its synchronisation, which averages the same owner
+        # buckets as the per-step synchroniser; the outer state is added below.
+        settings = dataclasses.replace(SyncSettings.from_config(cfg), mode="every_step")
+        averager = make_synchronizer(settings, model, pmap, plan, partition, comm)
         refresher = None
         if is_backward(cfg.masker):
             from subnetdp.sdp.backward import Refresher
@@ -156,12 +160,12 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         # optimizer state it starts with.
         measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
         every = max(1, int(cfg.masker.refresh_every))
-        guard = DryRunGuard(comm)
+        ctx = StepContext(model=model, adapter=adapter, sync=averager, optimizer=optimizer, guard=DryRunGuard(comm),
+                          refresher=refresher, accum=micro_batches(int(cfg.train.grad_accum)),
+                          clip=float(cfg.optim.clip_grad_norm), autocast=lambda: autocast)
 
         def step(n: int) -> None:
-            train_step(model, adapter, itertools.repeat(fbatch), averager, optimizer, guard, step=n,
-                       accum=micro_batches(int(cfg.train.grad_accum)), clip=float(cfg.optim.clip_grad_norm),
-                       autocast=lambda: autocast, refresher=refresher)
+            train_step(ctx, itertools.repeat(fbatch), step=n)
 
         if measured > 1:
             averager.prepare()

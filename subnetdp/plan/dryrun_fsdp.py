@@ -22,10 +22,11 @@ from subnetdp.parallel.dryrun_comm import FakeGroupCommunicator, fake_mesh
 from subnetdp.plan.dryrun import DryRunGuard, fake_rank_model, micro_batches
 from subnetdp.parallel.memory import live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer
-from subnetdp.train.step import train_step
+from subnetdp.train.step import StepContext, train_step
 from subnetdp.core.plan import MaskPlan
-from subnetdp.parallel.fsdp import (CollectiveBytes, ShardedMemoryTracker, ShardedOwnerAverager, apply_fsdp,
-                                    local, mixed_precision)
+from subnetdp.parallel.fsdp import CollectiveBytes, ShardedMemoryTracker, Sharding, apply_fsdp, local, mixed_precision
+from subnetdp.sdp.sync import SyncSettings
+from subnetdp.sdp.synchronizers import make_synchronizer
 
 
 def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
@@ -53,14 +54,14 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
             apply_fsdp(model, adapter.blocks(model), mesh["shard"], mixed_precision(str(cfg.train.precision)),
                        bool(cfg.fsdp.reshard_after_forward))
             optimizer = build_optimizer(cfg.optim, model.parameters())
-            averager = ShardedOwnerAverager(model, pmap, plan.replicas(shard), partition, comm, shard,
-                                            float(cfg.sync.bucket_cap_mb), bool(cfg.fsdp.reduce_each_micro_batch))
+            averager = make_synchronizer(SyncSettings.from_config(cfg), model, pmap, plan, partition, comm,
+                                         sharded=Sharding(shard, bool(cfg.fsdp.reduce_each_micro_batch)))
             fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
-            guard = DryRunGuard(comm)
+            ctx = StepContext(model=model, adapter=adapter, sync=averager, optimizer=optimizer, guard=DryRunGuard(comm),
+                              accum=micro_batches(int(cfg.train.grad_accum)), clip=float(cfg.optim.clip_grad_norm))
 
             def step(n: int) -> None:
-                train_step(model, adapter, itertools.repeat(fbatch), averager, optimizer, guard, step=n,
-                           accum=micro_batches(int(cfg.train.grad_accum)), clip=float(cfg.optim.clip_grad_norm))
+                train_step(ctx, itertools.repeat(fbatch), step=n)
 
             measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
             if measured > 1:

@@ -202,6 +202,17 @@ def build_local(adapter: ModelAdapter, skeleton: nn.Module, owned: Sequence[int]
     return model, pmap
 
 
+def empty_local(adapter: ModelAdapter, spec: DataSpec, owned: Sequence[int], partition: Partition, mcfg: Any,
+                device: torch.device | str) -> tuple[nn.Module, ParamMap]:
+    """What a rank holds under a new plan, with storage on ``device`` and no values yet: every tensor is
+    poisoned (:func:`poison`), so one that whoever fills it leaves unset shows in :func:`poisoned`."""
+    with torch.device("meta"):  # structure only: every value is received or copied in afterwards
+        model, pmap = local_model(adapter, meta_model(adapter, spec), owned, partition, mcfg)
+    to_empty(model, device)
+    poison(model)
+    return model, pmap
+
+
 def identity_map(model: nn.Module) -> ParamMap:
     """Every tensor of ``model`` as the whole global tensor of the same name."""
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]

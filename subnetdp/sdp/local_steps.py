@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from omegaconf import OmegaConf
@@ -49,7 +49,7 @@ from torch import nn
 from subnetdp.core.contracts import Communicator, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, NonFiniteError
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.sync import OwnerGroupAverager, SyncSettings
 
 
 def check_config(cfg: Any) -> None:
@@ -75,36 +75,38 @@ class LocalStepsSynchronizer:
     """Owner-group averaging of parameter deltas every ``every`` steps, with an outer Nesterov SGD.
 
     Between synchronisations it stands in for the per-step synchroniser in the loop (``prepare``,
-    ``no_sync``, ``carry``, ``finish``, ``grad_norm``: all local); :meth:`due` and
-    :meth:`synchronise` are the synchronisation itself.
+    ``no_sync``, ``carry``, ``finish``, ``grad_norm``: all local); :meth:`after_update` synchronises
+    when a cycle ends (:meth:`due`, :meth:`synchronise`). Made by
+    :func:`~subnetdp.sdp.synchronizers.make_synchronizer` for ``sync.mode=local_steps``.
 
     Args:
         model, pmap, plan, partition, comm: as for :class:`OwnerGroupAverager`.
-        every: H, inner steps per synchronisation (``sync.every``).
-        outer_lr, outer_momentum: the outer SGD's learning rate and Nesterov momentum.
-        on_host: keep the outer state in host memory (``sync.outer_on_host``).
-        bucket_cap_mb, max_groups, dense: the bucket layout, as for :class:`OwnerGroupAverager`.
-        on_nonfinite: ``stop`` or ``skip`` (``train.on_nonfinite``).
+        settings: ``every`` (H, inner steps per synchronisation), the outer SGD's ``outer_lr`` and
+            Nesterov ``outer_momentum``, ``outer_on_host`` (outer state in host memory), the bucket
+            layout (``bucket_cap_mb``, ``max_groups``) and ``on_nonfinite`` (``stop`` or ``skip``).
+        last_good: gives the last good checkpoint, named when a synchronisation stops on inf/NaN.
+        dense: force the buckets' dense (True) or grouped (False) mode; None chooses by ``max_groups``.
     """
 
     # The inner step's inf/NaN check is this rank's own (no collective between synchronisations):
     # the guard reads :meth:`carried` and never folds flags over the world.
     replicated = True
+    owners_diverge = True  # owners' copies differ between synchronisations: each owner checkpoints its own
 
     def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
-                 comm: Communicator, every: int, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-                 on_host: bool = False, bucket_cap_mb: float = 25.0, max_groups: int = 64,
-                 dense: bool | None = None, on_nonfinite: str = "stop") -> None:
+                 comm: Communicator, settings: SyncSettings, last_good: Callable[[], Any] = lambda: None,
+                 dense: bool | None = None) -> None:
         # collective: the owner groups are created here, exactly as for the per-step synchroniser.
-        self.buckets = OwnerGroupAverager(model, pmap, plan, partition, comm, bucket_cap_mb, max_groups, dense)
+        self.buckets = OwnerGroupAverager(model, pmap, plan, partition, comm, settings.bucket_cap_mb,
+                                          settings.max_groups, dense)
         self.buckets.remove_hooks()  # deltas are packed at a synchronisation, never during backward
-        self.comm, self.every = comm, int(every)
-        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.on_nonfinite = on_nonfinite
-        self.last_good: Any = lambda: None  # the last good checkpoint, for the error (set by the loop)
+        self.comm, self.every = comm, int(settings.every)
+        self.outer_lr, self.outer_momentum = float(settings.outer_lr), float(settings.outer_momentum)
+        self.on_nonfinite = settings.on_nonfinite
+        self.last_good = last_good
         self.params = self.buckets.params
         self.dense = self.buckets.dense
-        self.on_host = bool(on_host)
+        self.on_host = bool(settings.outer_on_host)
         pin = self.on_host and torch.cuda.is_available()
         self._anchor: dict[str, torch.Tensor] = {}
         self._momentum: dict[str, torch.Tensor] = {}
@@ -159,6 +161,11 @@ class LocalStepsSynchronizer:
         return True
 
     # ------------------------------------------------------------------ synchronisation
+    def after_update(self, step: int, last_step: int) -> None:
+        """Synchronise when ``step`` ends a cycle. Collective then: every rank at the same steps."""
+        if self.due(step, last_step):
+            self.synchronise(step)  # collective: owners average their parameter deltas; the outer optimizer steps
+
     def due(self, step: int, last: int) -> bool:
         """Whether ``step`` ends a cycle (every ``every`` steps, and the run's last step)."""
         return step % self.every == 0 or step == last
@@ -218,7 +225,7 @@ class LocalStepsSynchronizer:
                              "optim.lr, set optim.clip_grad_norm, or set train.on_nonfinite=skip")
 
     # ------------------------------------------------------------------ state, figures
-    def outer_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+    def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """``(key prefix, local parameter name, tensor)`` of the outer state, for checkpoints.
 
         Each tensor has its parameter's local shape, so it is cut into pieces and keyed by unit
@@ -227,19 +234,38 @@ class LocalStepsSynchronizer:
         out = [("outer_anchor/", n, a) for n, a in self._anchor.items()]
         return out + [("outer_momentum/", n, m) for n, m in self._momentum.items()]
 
+    def restore_extra(self, found: set[str]) -> None:
+        """Without an anchor from the source (a checkpoint written with per-step synchronisation, or a
+        re-plan from peers), a cycle starts at the loaded parameters; a missing momentum stays zero."""
+        if "outer_anchor/" not in found:
+            self.restart_cycle()
+
     def restart_cycle(self) -> None:
-        """Anchor at the current parameters, zero momentum (resuming a checkpoint without outer state)."""
+        """Anchor at the current parameters, zero momentum."""
         for name, p in self.params.items():
             self._anchor[name].copy_(p.detach())
         for m in self._momentum.values():
             m.zero_()
 
+    def rank_state(self) -> dict[str, Any]:
+        """The inner steps this rank skipped in the cycle so far (inf/NaN), for its checkpoint file."""
+        return {"local_steps_nonfinite": self.nonfinite.clone()}
+
+    def load_rank_state(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("local_steps_nonfinite")
+        if saved is not None and tuple(saved.shape) == tuple(self.nonfinite.shape):
+            self.nonfinite.copy_(saved)
+
+    def log_figures(self) -> dict[str, float]:
+        """The last synchronisation's payload over its H-step cycle (nothing before the first)."""
+        return {"rank/bytes_sent_per_step_cycle": self.bytes_per_step_cycle()} if self.syncs else {}
+
     def outer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, _, t in self.outer_tensors())
+        return sum(t.numel() * t.element_size() for _, _, t in self.extra_tensors())
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Persistent bucket buffers and the outer state (on the host too), for memory accounting."""
-        return self.buckets.state_tensors() + [t for _, _, t in self.outer_tensors()]
+        return self.buckets.state_tensors() + [t for _, _, t in self.extra_tensors()]
 
     def bytes_per_step(self) -> float:
         """Payload per step averaged over the cycle: one synchronisation's buckets every ``every`` steps."""

@@ -17,6 +17,10 @@ Dense mode (more distinct owner sets than ``sync.max_groups``): no sub-groups; t
 chunks of at most ``sync.bucket_cap_mb`` in one global order, and each chunk is filled with this
 rank's owned gradients (zeros elsewhere), all-reduced over the world, and divided coordinate by
 coordinate by the owner counts. Never more than one chunk is allocated at a time.
+
+Every synchroniser is made by :func:`subnetdp.sdp.synchronizers.make_synchronizer` from
+:class:`SyncSettings` (the ``sync.*`` keys, read once) and answers :class:`GradSynchronizer`: the
+loop, the checkpointer and the plan's dry runs ask it what they need, never which kind it is.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 
-from subnetdp.core.contracts import Communicator, GradSynchronizer, Handle, ParamMap, Partition
+from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
 from subnetdp.core.errors import NonFiniteError
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
@@ -94,12 +98,151 @@ def uses_dense_sync(owner_sets: int, max_groups: int) -> bool:
     return owner_sets > max_groups
 
 
+@dataclass(frozen=True)
+class SyncSettings:
+    """How a run synchronises: the ``sync.*`` keys (and ``train.on_nonfinite``), read from the config once.
+
+    Attributes:
+        mode: ``every_step`` (gradients averaged among owners after every backward) or
+            ``local_steps`` (owners average parameter deltas every ``every`` steps).
+        bucket_cap_mb: the largest bucket (dense mode: chunk), in MiB.
+        max_groups: the most distinct owner sets that get a process group; above it, dense mode.
+        every, outer_lr, outer_momentum, outer_on_host: local steps' cycle and outer optimizer.
+        on_nonfinite: ``stop`` or ``skip``: what local steps do at a synchronisation that hears of inf/NaN.
+    """
+
+    mode: str = "every_step"
+    bucket_cap_mb: float = 25.0
+    max_groups: int = 64
+    every: int = 1
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    outer_on_host: bool = False
+    on_nonfinite: str = "stop"
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "SyncSettings":
+        s = cfg.sync
+        return cls(mode=str(s.mode), bucket_cap_mb=float(s.bucket_cap_mb), max_groups=int(s.max_groups),
+                   every=int(s.every), outer_lr=float(s.outer_lr), outer_momentum=float(s.outer_momentum),
+                   outer_on_host=bool(s.outer_on_host), on_nonfinite=str(cfg.train.on_nonfinite))
+
+    @property
+    def cycle(self) -> int:
+        """Steps between two points where owners agree: ``every`` with local steps, else 1."""
+        return self.every if self.mode == "local_steps" else 1
+
+
+class GradSynchronizer(Protocol):
+    """What the step, the loop and the checkpointer ask of a synchroniser (:class:`OwnerGroupAverager`,
+    FSDP's ``ShardedOwnerAverager``, :class:`~subnetdp.sdp.local_steps.LocalStepsSynchronizer`).
+
+    Per step: :meth:`prepare`, the micro-batches' backward (all but the last inside :meth:`no_sync`),
+    :meth:`carry` of the inf/NaN flags, :meth:`finish` (collective: owner groups average), then
+    :meth:`grad_norm` / :meth:`scale_grads_` for clipping, the optimizer update, and
+    :meth:`after_update`. Checkpoints save and restore what it keeps besides the model
+    (:meth:`extra_tensors`, :meth:`rank_state`).
+    """
+
+    dense: bool
+    replicated: bool
+    #: Whether owners' copies of a piece differ between synchronisations (local steps), so every
+    #: owner writes its own copy to a checkpoint instead of one writer per piece.
+    owners_diverge: bool
+
+    def prepare(self) -> None:
+        """Drop the last step's gradients (before the memory baseline of a measured step)."""
+
+    def no_sync(self) -> ContextManager[None]:
+        """Accumulate gradients locally: no collective inside the block."""
+
+    def carry(self, flags: torch.Tensor) -> bool:
+        """Let ``flags`` (one per rank) ride along this step's collectives; False if it cannot."""
+
+    def carried(self) -> Optional[torch.Tensor]:
+        """The world's sum of the carried flags, after :meth:`finish`."""
+
+    def finish(self) -> None:
+        """Average this step's gradients over each unit's owners. Collective."""
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's (averaged, after :meth:`finish`) gradients."""
+
+    def grad_norm(self, flags: Optional[torch.Tensor] = None) -> float:
+        """Norm of the averaged full-model gradient, each unit once; ``flags`` are summed over the world."""
+
+    def scale_grads_(self, coef: float) -> None:
+        """Multiply every gradient by ``coef`` in place."""
+
+    def defer_nonfinite(self, step: int) -> bool:
+        """A non-finite loss or gradient at ``step`` was seen on some rank: True if this synchroniser
+        takes it over (local steps: this rank skips its inner step and every rank hears of it at the
+        next synchronisation), False to let the guard apply ``train.on_nonfinite`` now."""
+
+    def after_update(self, step: int, last_step: int) -> None:
+        """After the optimizer update of ``step`` (of ``last_step``): local steps' outer synchronisation
+        when a cycle ends (collective then, on every rank at the same steps); nothing for every-step."""
+
+    def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(key prefix, local parameter name, tensor)`` of the state it keeps per piece (local steps'
+        anchor and outer momentum), each of its parameter's local shape, so a checkpoint keys it by
+        unit like the parameter. Empty for every-step synchronisers."""
+
+    def restore_extra(self, found: set[str]) -> None:
+        """After the pieces were loaded: ``found`` are the prefixes of :meth:`extra_tensors` the source
+        held; make up for what it lacked (local steps without an anchor restart their cycle here)."""
+
+    def rank_state(self) -> dict[str, Any]:
+        """Per-rank state for the rank's checkpoint file (local steps: the cycle's skipped-step counts)."""
+
+    def load_rank_state(self, state: Mapping[str, Any]) -> None:
+        """Take back what :meth:`rank_state` saved, from a rank's checkpoint file (keys it lacks are skipped)."""
+
+    def bytes_per_step(self) -> float:
+        """Payload this rank hands to gradient collectives per step (over a cycle with local steps)."""
+
+    def log_figures(self) -> dict[str, float]:
+        """Per-rank figures of a log step (local steps: the last synchronisation's bytes per step of its cycle)."""
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Persistent buffers, for memory accounting."""
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (before the plan changes)."""
+
+    def owner_groups(self) -> list[tuple[int, ...]]:
+        """The owner sets this rank averages with."""
+
+    def describe(self) -> dict[str, Any]:
+        """This synchroniser's fields of the summary (per rank): ``sync_mode`` and its figures."""
+
+
 class EveryStepSync:
     """What the synchronisers that average every step (:class:`OwnerGroupAverager`, FSDP's
-    ``ShardedOwnerAverager``) answer alike."""
+    ``ShardedOwnerAverager``) answer alike: no state besides the model, nothing after an update."""
+
+    owners_diverge = False  # every owner holds the same averaged values after every step
 
     def defer_nonfinite(self, step: int) -> bool:
         return False  # every step is synchronised: the guard applies train.on_nonfinite at once
+
+    def after_update(self, step: int, last_step: int) -> None:
+        return None  # the gradients were averaged before the update
+
+    def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return []
+
+    def restore_extra(self, found: set[str]) -> None:
+        return None
+
+    def rank_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_rank_state(self, state: Mapping[str, Any]) -> None:
+        return None
+
+    def log_figures(self) -> dict[str, float]:
+        return {}
 
     def describe(self) -> dict[str, Any]:
         return {"sync_mode": "every_step"}

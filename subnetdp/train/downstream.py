@@ -212,24 +212,15 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join([line(header), rule] + [line(r) for r in rows])
 
 
-def write_results(run_dir: Path, step: int, results: dict[str, Any], log: Any = None) -> Path:
-    """``RUN_DIR/lm_eval/step_XXXXXXXX.json``, and ``lm_eval/<task>/<metric>`` scalars at ``step``."""
+def save_results(run_dir: Path, step: int, results: dict[str, Any]) -> Path:
+    """``RUN_DIR/lm_eval/step_XXXXXXXX.json``: lm-eval's results of the evaluation after ``step``."""
     import json
-
-    from subnetdp.train.meter import RunLogger
 
     out = Path(run_dir) / "lm_eval" / f"step_{step:08d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     keep = {k: results[k] for k in ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples",
                                     "config") if k in results}
     out.write_text(json.dumps({"step": step, **keep}, indent=2, default=str), encoding="utf-8")
-    values = {f"lm_eval/{k}": v for k, v in scalars(results).items()}
-    own = log is None
-    log = log or RunLogger(Path(run_dir), 0, True)
-    log.scalars(step, values)
-    log.jsonl({"step": step, **values})
-    if own:
-        log.close()
     return out
 
 

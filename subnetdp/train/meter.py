@@ -1,4 +1,4 @@
-"""The run's measurements (:class:`Meter`) and outputs: TensorBoard, metrics.jsonl, summaries, digests.
+"""The run's measurements (:class:`Meter`): bytes by owner group and phase, memory, step time; digests.
 
 Tensor memory on a CPU is measured by :class:`subnetdp.parallel.memory.TensorMemoryTracker`.
 """
@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -36,6 +33,7 @@ class Meter:
         self.step_times: list[float] = []
         self.last_step_time = 0.0
         self.peak_cpu = 0
+        self.step_peak = 0
         self._groups_at_start = dict(comm.bytes.by_group)
         self._phases_at_start = {p: comm.bytes.total(p) for p in comm.bytes.by_phase}
         self._ring_at_start = comm.bytes.ring_estimate()
@@ -59,6 +57,8 @@ class Meter:
             self.peak_cpu = tracker.peak if measure else 0
         else:
             self.step_times.append(self.last_step_time)
+        # A log step's figure is the peak up to its step's end: its evaluation, reported after it, is not in it.
+        self.step_peak = self.peak_memory()
 
     def untimed(self, seconds: float) -> None:
         """Leave ``seconds`` of the current step out of its time (a probe that is not training)."""
@@ -97,94 +97,9 @@ class Meter:
         done = step - self.first + 1
         sent, wire = self.bytes_per_step(done)
         out = {"rank/bytes_sent_per_step": sent, "rank/wire_bytes_per_step": wire,
-               "rank/peak_memory_bytes": self.peak_memory()}
+               "rank/peak_memory_bytes": self.step_peak}
         out.update({f"rank/bytes_by_group/{group_label(g)}": n / done for g, n in self.group_bytes().items()})
         return out
-
-
-class RunLogger:
-    """Writes a run's ``metrics.jsonl`` and TensorBoard events.
-
-    Rank 0 writes the global series to ``RUN_DIR/tensorboard``; every rank writes the values that
-    differ by rank (memory, bytes, step time, its local loss) to ``RUN_DIR/tensorboard/rank_{r}``,
-    so TensorBoard shows one curve per rank under the same tag.
-    """
-
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
-        self.run_dir = run_dir
-        self.rank = rank
-        self.global_writer = None
-        self.rank_writer = None
-        self._jsonl = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            tb = run_dir / "tensorboard"
-            if rank == 0:
-                self.global_writer = SummaryWriter(str(tb))
-            self.rank_writer = SummaryWriter(str(tb / f"rank_{rank}"))
-        if rank == 0:
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-
-    def scalars(self, step: int, values: dict[str, float], per_rank: bool = False) -> None:
-        writer = self.rank_writer if per_rank else self.global_writer
-        if writer is None:
-            return
-        for k, v in values.items():
-            if v is not None:
-                writer.add_scalar(k, float(v), step)
-
-    def jsonl(self, record: dict[str, Any]) -> None:
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-
-    def text(self, tag: str, text: str) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_text(tag, text, 0)
-
-    def figure(self, tag: str, fig: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_figure(tag, fig, step)
-
-    def image(self, tag: str, img: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_image(tag, img, step, dataformats="HW")
-
-    def close(self) -> None:
-        for w in (self.global_writer, self.rank_writer):
-            if w is not None:
-                w.flush()
-                w.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-
-
-def plan_figure(owned_image: Any, unit_names: list[str], counts: list[int]) -> Any:
-    """A ranks x units heat map of the mask plan, with owner counts in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks, units = owned_image.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * units + 1.5), max(2.0, 0.35 * ranks + 1.2)))
-    ax.imshow(owned_image, cmap="Blues", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(units), unit_names, rotation=90, fontsize=7)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=7)
-    ax.set_title(f"mask plan (owners per unit: {min(counts)}..{max(counts)})", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temporary name, fsync, rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def group_label(group: tuple[int, ...]) -> str:

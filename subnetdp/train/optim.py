@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -44,6 +45,13 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
+def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int,
+                   start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule of ``optimizer``, at step ``start`` (a rebuilt optimizer keeps the run's position)."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total_steps, int(cfg.warmup_steps), str(cfg.schedule)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fast-forwarding the schedule before the first optimizer step
+        for _ in range(start):
+            scheduler.step()
+    return scheduler

@@ -1,9 +1,11 @@
 """The training step: one function for the loop and for both dry runs of ``subnetdp plan``.
 
 The plan's memory and byte estimates are this function run under ``FakeTensorMode``, so the
-estimate and the run cannot drift apart. What differs between them is given, not branched on: the
-batches (real, or one fake batch repeated), the guard (:class:`~subnetdp.sdp.sync.NonFiniteGuard`,
-or the dry run's, which cannot read a value) and the synchroniser (grouped or sharded).
+estimate and the run cannot drift apart. What differs between them is given in a
+:class:`StepContext`, not branched on: the batches (real, or one fake batch repeated), the guard
+(:class:`~subnetdp.sdp.sync.NonFiniteGuard`, or the dry run's, which cannot read a value) and the
+synchroniser (grouped, sharded or local steps: one protocol, made by
+:func:`~subnetdp.sdp.synchronizers.make_synchronizer`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from subnetdp.core.contracts import GradSynchronizer, ModelAdapter
+from subnetdp.core.contracts import ModelAdapter
+from subnetdp.sdp.sync import GradSynchronizer
 
 
 @dataclass
@@ -26,30 +29,57 @@ class StepResult:
     updated: bool  # False when the guard skipped a non-finite step
 
 
-def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[Any], sync: GradSynchronizer,
-               optimizer: torch.optim.Optimizer, guard: Any, *, step: int, accum: int = 1, clip: float = 0.0,
-               need_norm: bool = False, autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-               scheduler: Any = None, refresher: Any = None, outer: Any = None, last_step: int = 0,
-               probe: Callable[[list[Any]], None] | None = None,
-               device: torch.device | None = None) -> StepResult:
-    """One optimizer step of this rank: forward and backward of ``accum`` micro-batches, averaging, update.
+@dataclass(frozen=True)
+class StepContext:
+    """What a step works with: made by the training state for the loop, by each dry run for its own.
 
-    Call ``sync.prepare()`` first (it drops the last step's gradients, so a memory baseline taken
+    Attributes:
+        model: the rank's model, in training mode.
+        adapter: its model adapter (``training_loss``).
+        sync: the synchroniser (:class:`~subnetdp.sdp.sync.GradSynchronizer`).
+        optimizer: the rank's optimizer.
+        guard: ``carry(sync, loss)``, ``check(step, sync, loss, need_norm) -> (finite, norm)`` and
+            ``clip(sync, norm, max_norm)``: :class:`~subnetdp.sdp.sync.NonFiniteGuard`, or a dry run's.
+        scheduler: the learning-rate schedule, stepped after every step (None: none).
+        refresher: backward masking's broadcaster of owners' values, or None.
+        accum: micro-batches per step (``train.grad_accum``).
+        clip: ``optim.clip_grad_norm`` (0: no clipping).
+        autocast: the forward's autocast context.
+        device: where the loss is summed.
+        last_step: the run's last step (``train.steps``): local steps synchronise there whatever the cycle.
+    """
+
+    model: torch.nn.Module
+    adapter: ModelAdapter
+    sync: GradSynchronizer
+    optimizer: torch.optim.Optimizer
+    guard: Any
+    scheduler: Any = None
+    refresher: Any = None
+    accum: int = 1
+    clip: float = 0.0
+    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    device: torch.device | None = None
+    last_step: int = 0
+
+
+def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm: bool = False,
+               probe: Callable[[list[Any]], None] | None = None) -> StepResult:
+    """One optimizer step of this rank: forward and backward of ``ctx.accum`` micro-batches, averaging, update.
+
+    Call ``ctx.sync.prepare()`` first (it drops the last step's gradients, so a memory baseline taken
     after it holds only what lives across steps).
 
     Args:
+        ctx: the model, synchroniser, optimizer and the rest the step works with.
         batches: yields this rank's micro-batches (already on the device).
-        guard: ``carry(sync, loss)``, ``check(step, sync, loss, need_norm) -> (finite, norm)`` and
-            ``clip(sync, norm, max_norm)``.
-        step: the step's number (the refresh and the guard's messages use it).
+        step: the step's number (the refresh, local steps and the guard's messages use it).
         need_norm: compute the gradient norm even without clipping (log steps show it).
-        refresher: backward masking's broadcaster of owners' values, or None.
         probe: called with the step's micro-batches after averaging and before the update (the
             gradient-alignment probe, ``train.grad_alignment_every``), or None.
-        outer: ``sync.mode=local_steps``: the synchroniser whose owners average their parameter
-            deltas every ``sync.every`` steps and at ``last_step``, or None.
     """
-    loss_sum = torch.zeros((), device=device)
+    sync, guard, accum = ctx.sync, ctx.guard, ctx.accum
+    loss_sum = torch.zeros((), device=ctx.device)
     seen: list[Any] = []
     for micro in range(accum):
         batch = next(batches)
@@ -57,8 +87,8 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
             seen.append(batch)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else sync.no_sync():  # all but the last accumulate locally
-            with autocast():
-                loss = adapter.training_loss(model, batch) / accum
+            with ctx.autocast():
+                loss = ctx.adapter.training_loss(ctx.model, batch) / accum
             loss_sum += loss.detach()
             if last:
                 guard.carry(sync, loss_sum)  # the loss's inf/NaN flag travels with the gradients
@@ -68,16 +98,16 @@ def train_step(model: torch.nn.Module, adapter: ModelAdapter, batches: Iterator[
         probe(seen)  # collective: every rank reaches the probe on the same steps
     # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite),
     # in the gradient-norm all-reduce when clipping or logging needs the norm.
-    finite, norm = guard.check(step, sync, loss_sum, need_norm=clip > 0 or need_norm)
+    finite, norm = guard.check(step, sync, loss_sum, need_norm=ctx.clip > 0 or need_norm)
     if finite:
-        guard.clip(sync, norm, clip)
-        optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    if outer is not None and outer.due(step, last_step):
-        outer.synchronise(step)  # collective: owners average their parameter deltas; the outer optimizer steps
-    if refresher is not None and refresher.due(step):
-        comm = refresher.comm
+        guard.clip(sync, norm, ctx.clip)
+        ctx.optimizer.step()
+    if ctx.scheduler is not None:
+        ctx.scheduler.step()
+    # collective when due: local steps' owners average their parameter deltas and the outer optimizer steps.
+    sync.after_update(step, ctx.last_step)
+    if ctx.refresher is not None and ctx.refresher.due(step):
+        comm = ctx.refresher.comm
         with comm.bytes.phase("refresh"):
-            refresher.refresh()  # collective: owners' new values reach every rank
+            ctx.refresher.refresh()  # collective: owners' new values reach every rank
     return StepResult(loss_sum, norm, finite)

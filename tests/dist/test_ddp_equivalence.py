@@ -18,8 +18,8 @@ def _worker(rank: int, world: int, init_method: str, optim: list[str]) -> dict:
                        f"comm.init_method={init_method}", "eval.batches=1", "run.name=ddp-eq", *optim,
                        run_dir=init_method.removeprefix("file://") + "-runs")
     run = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    sdp = {run.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in run.model.named_parameters()}
-    return {"sdp": sdp, "ddp": ddp_reference_params(cfg, rank, world, init_method, STEPS), "bytes": run.summary["ranks"][rank]}
+    sdp = {run.state.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in run.state.model.named_parameters()}
+    return {"sdp": sdp, "ddp": ddp_reference_params(cfg, rank, world, init_method, STEPS), "bytes": run.result.summary["ranks"][rank]}
 
 
 def _check(results: list[dict]) -> None:

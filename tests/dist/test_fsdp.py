@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import setup
+from subnetdp.train.setup import setup
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.plan.report import plan_report
-from subnetdp.sdp.sync import OwnerGroupAverager
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import LM_STEPS as STEPS
 from tests.helpers import ddp_reference_params, lm_config, plugin_manager, run_ranks, train_gathered
@@ -121,13 +120,13 @@ def _reference(cfg, replica: int) -> dict[str, torch.Tensor]:
     """SDP without FSDP on 2 ranks; rank r's micro-batch is the concatenation of ranks (r, 0) and (r, 1)'s."""
     env = LaunchEnv(replica, 2, replica, 2, "test")
     pm = plugin_manager()
-    run = setup(cfg, env, pm)
+    ctx, st = setup(cfg, env, pm)
     try:
-        model = run.model
+        model = st.model
         opt = build_optimizer(cfg.optim, model.parameters())
         sched = build_schedule(cfg.optim, opt, STEPS)
-        averager = OwnerGroupAverager(model, run.pmap, run.plan, run.partition, run.comm)
-        loaders = [iter(run.data.train_loader(2 * replica + s, 4, int(cfg.train.batch_size))) for s in range(2)]
+        averager = st.synchronizer  # the run's own: owner-group averaging of this (unsharded) model
+        loaders = [iter(ctx.data.train_loader(2 * replica + s, 4, int(cfg.train.batch_size))) for s in range(2)]
         accum = int(cfg.train.grad_accum)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         for _ in range(STEPS):
@@ -136,7 +135,7 @@ def _reference(cfg, replica: int) -> dict[str, torch.Tensor]:
                 parts = [next(it) for it in loaders]
                 batch = tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
                 with averager.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                    (run.adapter.training_loss(model, batch) / accum).backward()
+                    (ctx.adapter.training_loss(model, batch) / accum).backward()
             averager.finish()
             averager.clip_grad_norm_(float(cfg.optim.clip_grad_norm))
             opt.step()
@@ -147,7 +146,7 @@ def _reference(cfg, replica: int) -> dict[str, torch.Tensor]:
         assert moved > 1e-3, moved
         return final
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def test_fsdp_two_replicas_match_sdp_with_a_batch_s_times_larger(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from subnetdp.train.loop import format_summary
+from subnetdp.train.report import format_summary
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import lm_config, train_gathered
 from tests.helpers import run_ranks

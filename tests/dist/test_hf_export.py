@@ -38,7 +38,7 @@ def _config(tmp, name: str, *overrides: str):
 def _sdp_worker(rank: int, world: int, init_method: str, tmp) -> list:
     run = train(_config(tmp, "untied", "masker.coverage=0.5", f"comm.init_method={init_method}"),
                 LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    return run.plan.owned
+    return run.state.plan.owned
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ def _config(init_method: str, cache: str, *overrides: str):
 
 
 def _state(run) -> dict:
-    params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in run.state.model.named_parameters()}
     state = {f"{n}/{k}": (v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v))
-             for n, p in run.model.named_parameters() for k, v in run.optimizer.state[p].items()}
-    return {"params": params, "state": state, "owned": run.plan.owned[run.rank],
-            "owners": [run.plan.owners(u) for u in range(run.plan.num_units)],
-            "unit_of": dict(run.pmap.unit_of), "eval": run.eval_metrics, "summary": run.summary}
+             for n, p in run.state.model.named_parameters() for k, v in run.state.optimizer.state[p].items()}
+    return {"params": params, "state": state, "owned": run.state.plan.owned[run.context.rank],
+            "owners": [run.state.plan.owners(u) for u in range(run.state.plan.num_units)],
+            "unit_of": dict(run.state.pmap.unit_of), "eval": run.result.eval_metrics, "summary": run.result.summary}
 
 
 
@@ -82,12 +82,12 @@ def _neuron_worker(rank: int, world: int, init_method: str, cache: str) -> dict:
     env = LaunchEnv(rank, world, rank, world, "test")
     run = train(_config(init_method + "-n", cache, "masker.granularity=neuron", "masker.coverage=0.5",
                         "masker.units_per_layer=4", "run.name=nsdp"), env, plugin_manager())
-    index = LocalIndex(run.model, run.pmap)
-    items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
+    index = LocalIndex(run.state.model, run.state.pmap)
+    items = [it for it in global_items(run.state.partition, run.state.plan) if rank in it.owners]
     return {"owners": {(it.name, it.dim, it.start, it.stop): it.owners for it in items},
             "params": {(it.name, it.dim, it.start, it.stop): index.view(it).detach().clone() for it in items},
-            "held": sum(p.numel() for p in run.model.parameters()), "full": run.summary["full_model_params"],
-            "loss": run.eval_metrics.get("loss")}  # rank 0 evaluates
+            "held": sum(p.numel() for p in run.state.model.parameters()), "full": run.result.summary["full_model_params"],
+            "loss": run.result.eval_metrics.get("loss")}  # rank 0 evaluates
 
 
 def test_llama_neuron_level_owners_hold_bit_identical_pieces(tmp_path):

@@ -34,7 +34,8 @@ from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
-from subnetdp.train.loop import setup, train_loop
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import setup
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import plugin_manager, run_ranks, small_config
 
@@ -63,10 +64,10 @@ class _Recorder:
         self.step_hashes: list[str] = []
 
     @hookimpl
-    def subnetdp_on_run_start(self, run) -> None:
-        sync = run.averager
-        items = [it for it in global_items(run.partition, run.plan) if run.rank in it.owners]
-        index = LocalIndex(run.model, run.pmap)
+    def subnetdp_on_run_start(self, context, state) -> None:
+        sync = state.synchronizer
+        items = [it for it in global_items(state.partition, state.plan) if context.rank in it.owners]
+        index = LocalIndex(state.model, state.pmap)
 
         def pieces(tensors: dict[str, torch.Tensor]) -> dict[tuple, torch.Tensor]:
             out = {}
@@ -88,10 +89,10 @@ class _Recorder:
         sync.synchronise = recorded
 
     @hookimpl
-    def subnetdp_on_step_end(self, run, step, metrics) -> None:
+    def subnetdp_on_step_end(self, state) -> None:
         h = hashlib.sha256()
-        params = dict(run.model.named_parameters())
-        for name in run.partition.shared:
+        params = dict(state.model.named_parameters())
+        for name in state.partition.shared:
             h.update(name.encode() + params[name].detach().numpy().tobytes())
         self.step_hashes.append(h.hexdigest())
 
@@ -104,25 +105,25 @@ def _run(rank: int, world: int, init_method: str, cache: str, tag: str, override
                        run_dir=init_method.removeprefix("file://") + "-runs")
     pm = plugin_manager()
     recorder = _Recorder()
-    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
     try:
         if record:
             pm.pm.register(recorder)
         try:
-            train_loop(run, pm)
+            result = train_loop(ctx, st)
         finally:
             if record:
                 pm.pm.unregister(recorder)
-        params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-        out = {"params": params, "summary": run.summary["ranks"][rank], "eval": run.summary["eval"],
-               "run_dir": str(run.run_dir), "syncs": recorder.syncs, "hashes": recorder.step_hashes}
+        params = {n: p.detach().clone() for n, p in st.model.named_parameters()}
+        out = {"params": params, "summary": result.summary["ranks"][rank], "eval": result.summary["eval"],
+               "run_dir": str(ctx.run_dir), "syncs": recorder.syncs, "hashes": recorder.step_hashes}
         if "masker.regime=backward" in overrides:
-            names = [s.name for u in run.partition.units for s in u.slices] + run.partition.shared
-            out["full"] = full_tensors(run.model, run.pmap, run.partition, names)
-        out["buckets_payload"] = run.averager.buckets.bytes_per_step() if record else None
+            names = [s.name for u in st.partition.units for s in u.slices] + st.partition.shared
+            out["full"] = full_tensors(st.model, st.pmap, st.partition, names)
+        out["buckets_payload"] = st.synchronizer.buckets.bytes_per_step() if record else None
         return out
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def _worker(rank: int, world: int, init_method: str, cache: str) -> dict:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import train_loop, setup
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import setup
 from tests.helpers import assert_mean_of, digest, plugin_manager, run_ranks, sample, small_config
 
 
-def _global(run, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {run.pmap.pieces[n][0].global_name: t for n, t in tensors.items()}
+def _global(st, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {st.pmap.pieces[n][0].global_name: t for n, t in tensors.items()}
 
 
 def _worker(rank: int, world: int, init_method: str, optim: str, lr: str) -> dict:
@@ -20,32 +20,32 @@ def _worker(rank: int, world: int, init_method: str, optim: str, lr: str) -> dic
                        f"comm.init_method={init_method}", "eval.batches=1", "run.name=owners",
                        run_dir=init_method.removeprefix("file://") + "-runs")
     pm = plugin_manager()
-    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
     try:
-        # One step by hand: local gradients first (no communication), then the averaged ones.
-        averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm)
+        # One step by hand with the run's synchroniser: local gradients first (no communication), then
+        # the averaged ones.
+        averager = st.synchronizer
         averager.prepare()
-        x, y = next(iter(run.data.train_loader(rank, world, 8)))
+        x, y = next(iter(ctx.data.train_loader(rank, world, 8)))
         with averager.no_sync():
-            run.adapter.loss(run.model(x), (x, y)).backward()
+            ctx.adapter.loss(st.model(x), (x, y)).backward()
         # Small results: gradients as fixed coordinate samples, values and optimizer state as digests.
-        local = {n: sample(p.grad, run.pmap.pieces[n][0].global_name) for n, p in run.model.named_parameters()}
+        local = {n: sample(p.grad, st.pmap.pieces[n][0].global_name) for n, p in st.model.named_parameters()}
         averager.finish()
-        averaged = {n: sample(p.grad, run.pmap.pieces[n][0].global_name) for n, p in run.model.named_parameters()}
-        averager.remove_hooks()
+        averaged = {n: sample(p.grad, st.pmap.pieces[n][0].global_name) for n, p in st.model.named_parameters()}
         # Then several real steps through the loop.
-        train_loop(run, pm)
-        params = {n: digest(p) for n, p in run.model.named_parameters()}
+        train_loop(ctx, st)
+        params = {n: digest(p) for n, p in st.model.named_parameters()}
         state = {}
-        for n, p in run.model.named_parameters():
-            for k, v in run.optimizer.state[p].items():
+        for n, p in st.model.named_parameters():
+            for k, v in st.optimizer.state[p].items():
                 state[f"{n}/{k}"] = digest(v if isinstance(v, torch.Tensor) else torch.tensor(v))
-        return {"owned": run.plan.owned[rank], "owners": [run.plan.owners(u) for u in range(run.plan.num_units)],
-                "unit_of": {run.pmap.pieces[n][0].global_name: u for n, u in run.pmap.unit_of.items()},
-                "local": _global(run, local), "averaged": _global(run, averaged), "params": _global(run, params),
+        return {"owned": st.plan.owned[rank], "owners": [st.plan.owners(u) for u in range(st.plan.num_units)],
+                "unit_of": {st.pmap.pieces[n][0].global_name: u for n, u in st.pmap.unit_of.items()},
+                "local": _global(st, local), "averaged": _global(st, averaged), "params": _global(st, params),
                 "state": state}
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def test_owners_bit_identical_and_gradients_are_owner_means(tmp_path):

@@ -20,9 +20,10 @@ from subnetdp.core.errors import PlanError
 from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.train.checkpoints.source import optimizer_params
 from subnetdp.train.checkpoints.units import OPTIM, SCALAR, PieceReader, item_key, writers
-from subnetdp.train.loop import build_plan, set_threads, setup, train_loop
-from subnetdp.train.optim import build_optimizer, build_schedule
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import build_plan, set_threads, setup
 from tests.helpers import digest, plugin_manager, run_ranks, small_config
 
 STEPS = 2
@@ -40,18 +41,15 @@ def _resumed_digests(cfg, rank: int, world: int) -> dict:
     env = LaunchEnv(rank, world, rank, world, "test")
     pm = plugin_manager()
     set_threads(cfg, env)
-    run = setup(cfg, env, pm)
+    ctx, st = setup(cfg, env, pm)
     try:
-        run.optimizer = build_optimizer(cfg.optim, run.model.parameters())
-        scheduler = build_schedule(cfg.optim, run.optimizer, int(cfg.train.steps))
-        run.averager = run.parallel.averager()  # collective: the owner groups
-        loader = run.data.train_loader(rank, world, int(cfg.train.batch_size))
-        ckpt = Checkpointer(run, run.optimizer, scheduler, loader)
+        loader = ctx.data.train_loader(rank, world, int(cfg.train.batch_size))
+        ckpt = Checkpointer(ctx, st, loader)
         step = ckpt.start()  # collective
-        index = LocalIndex(run.model, run.pmap)
-        state = dict(zip(ckpt._local_names(), (run.optimizer.state[p] for p in ckpt._params())))
+        index = LocalIndex(st.model, st.pmap)
+        state = dict(zip(ckpt._local_names(), (st.optimizer.state[p] for p in optimizer_params(st.optimizer))))
         pieces = {}
-        for it in global_items(run.partition, run.plan):
+        for it in global_items(st.partition, st.plan):
             if rank not in it.owners:
                 continue
             local, dim, start, stop = index.find(it)
@@ -61,14 +59,13 @@ def _resumed_digests(cfg, rank: int, world: int) -> dict:
             for k, v in state[local].items():
                 whole = v.dim() == 0
                 pieces[f"{SCALAR if whole else OPTIM}{k}/{key}"] = digest(v if whole else cut(v))
-        loaded = {"step": step, "pieces": pieces, "loader": loader.state_dict(), "owned": run.plan.owned[rank],
-                  "lr": run.optimizer.param_groups[0]["lr"]}
-        run.averager.remove_hooks()
-        train_loop(run, pm)  # resumes again from the same checkpoint and trains on
-        loaded.update(final_step=run.step, loss=float(run.summary["loss"]) if "loss" in run.summary else None)
+        loaded = {"step": step, "pieces": pieces, "loader": loader.state_dict(), "owned": st.plan.owned[rank],
+                  "lr": st.optimizer.param_groups[0]["lr"]}
+        result = train_loop(ctx, st)  # resumes again from the same checkpoint and trains on
+        loaded.update(final_step=st.step, loss=float(result.summary["loss"]) if "loss" in result.summary else None)
         return loaded
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def _write_then_resume(rank: int, world: int, init_method: str) -> dict:
@@ -76,7 +73,7 @@ def _write_then_resume(rank: int, world: int, init_method: str) -> dict:
 
     cfg = _config(init_method, "run.name=w4", f"train.steps={STEPS}", "checkpoint.final=always")
     run = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    saved = {"dir": str(ck.step_dir(run.run_dir, STEPS))}
+    saved = {"dir": str(ck.step_dir(run.context.run_dir, STEPS))}
     resumed = _resumed_digests(_config(init_method + "-c75", "run.name=c75", "masker.coverage=0.75",
                                        f"train.steps={STEPS + 1}", f"resume={saved['dir']}"), rank, world)
     return {"saved": saved, "resumed": resumed}

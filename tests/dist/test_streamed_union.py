@@ -10,7 +10,8 @@ from subnetdp.sdp.branches import fold_branch_scales
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.sdp.union import StreamedUnion, assemble_union, evaluate, evaluate_union, union_branch_scales
-from subnetdp.train.loop import setup, train_loop
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import setup
 from tests.helpers import plugin_manager, run_ranks, small_config
 
 CAL, EVAL = 2, 2  # recalibration batches, evaluation batches: 4 forwards per evaluation
@@ -22,42 +23,42 @@ def _one(rank: int, world: int, init_method: str, name: str, *overrides: str) ->
     cfg = small_config("train.steps=2", "train.batch_size=8", "eval.batch_size=64", f"eval.batches={EVAL}",
                        f"eval.bn_recalibrate_batches={CAL}", f"comm.init_method={init_method}-{name}",
                        f"run.name={name}", *overrides, run_dir=init_method.removeprefix("file://") + "-runs")
-    run = setup(cfg, env, pm)
+    ctx, st = setup(cfg, env, pm)
     out: dict = {}
     try:
-        train_loop(run, pm)  # the last step's evaluation is the loop's: streamed
-        out["loop"] = dict(run.eval_metrics)
-        args = (run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model, run.pmap, run.comm)
-        scales = union_branch_scales(cfg, run.partition, run.plan)
+        result = train_loop(ctx, st)  # the last step's evaluation is the loop's: streamed
+        out["loop"] = dict(result.eval_metrics)
+        args = (ctx.adapter, ctx.spec, int(cfg.seed), st.partition, st.plan, st.model, st.pmap, ctx.comm)
+        scales = union_branch_scales(cfg, st.partition, st.plan)
         out["rates"] = scales
-        out["x1"] = evaluate_union(*args, run.data, cfg, {})  # collective
-        state = live_state_bytes(training_state_tensors(run.model, run.optimizer, run.averager.state_tensors()))
-        with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
+        out["x1"] = evaluate_union(*args, ctx.data, cfg, {})  # collective
+        state = live_state_bytes(training_state_tensors(st.model, st.optimizer, st.synchronizer.state_tensors()))
+        with StreamedUnion(ctx.adapter, ctx.spec, st.partition, st.plan, st.model, st.pmap, ctx.comm,
                            scales) as probe:
             out["block_bytes"], out["staging"], resident = probe.block_bytes, probe.staging_bytes, probe.resident_bytes
-        counter = run.comm.bytes
+        counter = ctx.comm.bytes
         eval_before, step_before = counter.total("eval"), dict(counter.by_group)
         with TensorMemoryTracker(state) as tracker, counter.phase("eval"):
-            with StreamedUnion(run.adapter, run.spec, run.partition, run.plan, run.model, run.pmap, run.comm,
+            with StreamedUnion(ctx.adapter, ctx.spec, st.partition, st.plan, st.model, st.pmap, ctx.comm,
                                scales) as union:  # collective
-                out["streamed"] = evaluate(union.module, run.adapter, run.data, cfg, device=run.comm.device)
+                out["streamed"] = evaluate(union.module, ctx.adapter, ctx.data, cfg, device=ctx.comm.device)
         out["metered"] = counter.total("eval") - eval_before  # the communicator's own count, by phase
         out["step_bytes_untouched"] = counter.by_group == step_before
-        out["summary_phases"] = run.summary["ranks"][rank]["bytes_by_phase"]
+        out["summary_phases"] = result.summary["ranks"][rank]["bytes_by_phase"]
         out["fetched"], out["state"], out["resident"], out["peak"] = union.fetched_bytes, state, resident, tracker.peak
-        unit_bytes = sum(run.partition.unit_numel(u) for u in run.partition.units) * 4
+        unit_bytes = sum(st.partition.unit_numel(u) for u in st.partition.units) * 4
         buffer_bytes = sum(t.numel() * t.element_size() for t in union.module.buffers())
         out["expected_fetch"] = (CAL + EVAL) * unit_bytes + buffer_bytes
         assembled = assemble_union(*args)  # collective: the reference, on rank 0
         if assembled is not None:
             out["full_bytes"] = live_state_bytes(list(assembled.parameters()) + list(assembled.buffers()))
-            out["assembled_x1"] = evaluate(assembled, run.adapter, run.data, cfg)
-            fold_branch_scales(run.adapter.branch_output_layers(assembled), scales)
+            out["assembled_x1"] = evaluate(assembled, ctx.adapter, ctx.data, cfg)
+            fold_branch_scales(ctx.adapter.branch_output_layers(assembled), scales)
             with TensorMemoryTracker() as acts:  # the evaluation's own tensors: activations, outputs
-                out["assembled"] = evaluate(assembled, run.adapter, run.data, cfg)
+                out["assembled"] = evaluate(assembled, ctx.adapter, ctx.data, cfg)
             out["activations"] = acts.peak
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
     return out
 
 

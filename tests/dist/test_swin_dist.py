@@ -21,12 +21,12 @@ def _run(rank: int, world: int, init_method: str, coverage: float) -> tuple[dict
     cfg = small_config(*SWIN, f"masker.coverage={coverage}", f"comm.init_method={init_method}",
                        f"run.name=swin-c{coverage}", recipe=None, run_dir=init_method.removeprefix("file://") + "-runs")
     run = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    params = {run.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in run.model.named_parameters()}
-    state = {f"{run.pmap.pieces[n][0].global_name}/{k}": v.clone()
-             for n, p in run.model.named_parameters() for k, v in run.optimizer.state[p].items()}
-    info = {"owned": run.plan.owned[rank], "owners": [run.plan.owners(u) for u in range(run.plan.num_units)],
-            "unit_of": {run.pmap.pieces[n][0].global_name: u for n, u in run.pmap.unit_of.items()},
-            "eval": run.eval_metrics, "cfg": cfg}
+    params = {run.state.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in run.state.model.named_parameters()}
+    state = {f"{run.state.pmap.pieces[n][0].global_name}/{k}": v.clone()
+             for n, p in run.state.model.named_parameters() for k, v in run.state.optimizer.state[p].items()}
+    info = {"owned": run.state.plan.owned[rank], "owners": [run.state.plan.owners(u) for u in range(run.state.plan.num_units)],
+            "unit_of": {run.state.pmap.pieces[n][0].global_name: u for n, u in run.state.pmap.unit_of.items()},
+            "eval": run.result.eval_metrics, "cfg": cfg}
     return params, state, info
 
 

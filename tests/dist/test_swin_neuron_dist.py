@@ -24,8 +24,8 @@ def _run(rank: int, world: int, init_method: str, regime: str) -> dict:
     cfg = small_config(*SWIN, f"masker.regime={regime}", f"comm.init_method={init_method}-{regime}",
                        f"run.name=swin-n-{regime}", recipe=None, run_dir=init_method.removeprefix("file://") + "-runs")
     run = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    items = list(global_items(run.partition, run.plan))
-    index = LocalIndex(run.model, run.pmap)
+    items = list(global_items(run.state.partition, run.state.plan))
+    index = LocalIndex(run.state.model, run.state.pmap)
     params, state = {}, {}
     for it in items:
         if rank not in it.owners:
@@ -33,16 +33,16 @@ def _run(rank: int, world: int, init_method: str, regime: str) -> dict:
         params[_key(it)] = index.view(it).detach().clone()
         local_name, _, start, stop = index.find(it)
         p = index.tensors[local_name]
-        for k, v in run.optimizer.state[p].items():
+        for k, v in run.state.optimizer.state[p].items():
             if isinstance(v, torch.Tensor) and v.shape == p.shape:
                 state[_key(it) + (k,)] = (v if it.dim is None else v.narrow(it.dim, start, stop - start)).clone()
     full = {}
     if regime == "backward":
-        names = run.partition.shared + [s.name for u in run.partition.units for s in u.slices]
-        full = full_tensors(run.model, run.pmap, run.partition, names)
+        names = run.state.partition.shared + [s.name for u in run.state.partition.units for s in u.slices]
+        full = full_tensors(run.state.model, run.state.pmap, run.state.partition, names)
     return {"owners": {_key(it): it.owners for it in items}, "params": params, "state": state, "full": full,
-            "owned": run.plan.owned[rank], "numel": sum(p.numel() for p in run.model.parameters()),
-            "eval": run.eval_metrics}
+            "owned": run.state.plan.owned[rank], "numel": sum(p.numel() for p in run.state.model.parameters()),
+            "eval": run.result.eval_metrics}
 
 
 def _worker(rank: int, world: int, init_method: str) -> dict:

@@ -3,6 +3,8 @@ eval.block_union; the gradient-alignment probe's cosine is 1 at C = 1 (2 gloo ra
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,8 +12,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.train.loop import evaluate_run, setup, train_loop
-from subnetdp.train.meter import RunLogger
+from subnetdp.train.evaluation import evaluate_run
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import setup
 from subnetdp.sdp.union import assemble_union, evaluate
 from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 from tests.helpers import plugin_manager, run_ranks, small_config
@@ -39,28 +42,29 @@ def _worker(rank: int, world: int, init_method: str, cache: str) -> dict:
     env = LaunchEnv(rank, world, rank, world, "test")
     cfg = _config(init_method, cache, "masker.coverage=0.5", "eval.breakdown=true", "train.grad_alignment_every=2",
                   "run.name=sdp")
-    run = setup(cfg, env, pm)
+    ctx, st = setup(cfg, env, pm)
     out: dict = {}
     try:
-        train_loop(run, pm)
-        out["eval"], out["eval_union"], out["alignment"] = run.eval_metrics, run.eval_union, run.alignment
+        result = train_loop(ctx, st)
+        out["eval"], out["eval_union"], out["alignment"] = result.eval_metrics, result.eval_union, result.alignment
         # collective: the union model once more, evaluated here with hook-scaled branches.
-        union = assemble_union(run.adapter, run.spec, int(cfg.seed), run.partition, run.plan, run.model, run.pmap, run.comm)
+        union = assemble_union(ctx.adapter, ctx.spec, int(cfg.seed), st.partition, st.plan, st.model, st.pmap, ctx.comm)
         if union is not None:
-            out["x1"] = evaluate(union, run.adapter, run.data, cfg)
-            out["hooked"] = evaluate(_scaled_by_hooks(union, run.adapter, 0.5), run.adapter, run.data, cfg)
-        OmegaConf.update(cfg, "eval.block_union", "x1")
-        out["key_x1"] = evaluate_run(run, RunLogger(run.run_dir, rank, False), STEPS + 1)  # collective
-        out["run_dir"] = str(run.run_dir)
+            out["x1"] = evaluate(union, ctx.adapter, ctx.data, cfg)
+            out["hooked"] = evaluate(_scaled_by_hooks(union, ctx.adapter, 0.5), ctx.adapter, ctx.data, cfg)
+        key = copy.deepcopy(ctx.cfg)  # the run's context is frozen: evaluate under a copy with another key
+        OmegaConf.set_readonly(key, False)
+        OmegaConf.update(key, "eval.block_union", "x1")
+        out["key_x1"] = evaluate_run(dataclasses.replace(ctx, cfg=key), st, STEPS + 1).metrics  # collective
+        out["run_dir"] = str(ctx.run_dir)
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
     cfg1 = _config(init_method + "-c1", cache, "masker.coverage=1", "train.grad_alignment_every=1", "run.name=c1")
-    run1 = setup(cfg1, env, pm)
+    ctx1, st1 = setup(cfg1, env, pm)
     try:
-        train_loop(run1, pm)
-        out["alignment_c1"] = run1.alignment
+        out["alignment_c1"] = train_loop(ctx1, st1).alignment
     finally:
-        run1.comm.shutdown()
+        ctx1.comm.shutdown()
     return out
 
 

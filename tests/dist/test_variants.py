@@ -22,7 +22,8 @@ from subnetdp.sdp.construct import initial_model
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.sdp.pieces import LocalIndex, full_tensors, global_items
-from subnetdp.train.loop import train_loop, setup
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import setup
 from subnetdp.sdp.resample import family
 from subnetdp.sdp.sync import OwnerGroupAverager
 from tests.helpers import assert_mean_of, digest, plugin_manager, run_ranks, sample, small_config
@@ -36,10 +37,10 @@ def _key(item) -> tuple:
     return (item.name, item.dim, item.start, item.stop)
 
 
-def _full_params(run) -> dict[str, torch.Tensor]:
+def _full_params(st) -> dict[str, torch.Tensor]:
     """The rank's full-model parameters (shared buffers are per-rank statistics, as in DDP)."""
-    names = run.partition.shared + [s.name for u in run.partition.units for s in u.slices]
-    return full_tensors(run.model, run.pmap, run.partition, names)
+    names = st.partition.shared + [s.name for u in st.partition.units for s in u.slices]
+    return full_tensors(st.model, st.pmap, st.partition, names)
 
 
 class _FullModelDigest:
@@ -50,13 +51,13 @@ class _FullModelDigest:
         self.plans: list[str] = []
 
     @hookimpl
-    def subnetdp_on_step_end(self, run, step, metrics) -> None:
+    def subnetdp_on_step_end(self, state) -> None:
         h = hashlib.sha256()
-        for name, t in sorted(_full_params(run).items()):
+        for name, t in sorted(_full_params(state).items()):
             h.update(name.encode())
             h.update(t.numpy().tobytes())
         self.digests.append(h.hexdigest())
-        self.plans.append(run.plan.digest())
+        self.plans.append(state.plan.digest())
 
 
 def _overrides(variant: str, coverage: float, extra: list[str]) -> list[str]:
@@ -78,18 +79,18 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
         cfg.optim.lr = 0.0
     pm = plugin_manager()
     recorder = _FullModelDigest()
-    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
-    run.plan0 = run.plan
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    plan0 = st.plan
     try:
-        items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
-        index = LocalIndex(run.model, run.pmap)
-        # One step by hand: local gradients first (no communication), then the averaged ones.
-        averager = OwnerGroupAverager(run.model, run.pmap, run.plan, run.partition, run.comm,
-                                      max_groups=int(cfg.sync.max_groups))
+        items = [it for it in global_items(st.partition, st.plan) if rank in it.owners]
+        index = LocalIndex(st.model, st.pmap)
+        # One step by hand with the run's synchroniser: local gradients first (no communication), then
+        # the averaged ones.
+        averager = st.synchronizer
         averager.prepare()
-        x, y = next(iter(run.data.train_loader(rank, world, 8)))
+        x, y = next(iter(ctx.data.train_loader(rank, world, 8)))
         with averager.no_sync():
-            run.adapter.loss(run.model(x), (x, y)).backward()
+            ctx.adapter.loss(st.model(x), (x, y)).backward()
         # Gradients go back as digests (bit-identity) and fixed coordinate samples (the mean checks).
         local = {_key(it): index.view(it, grad=True) for it in items}
         local_digest = {k: digest(g) for k, g in local.items()}
@@ -98,34 +99,33 @@ def _one_variant(rank: int, world: int, init_method: str, variant: str, coverage
         averaged = {_key(it): index.view(it, grad=True) for it in items}
         averaged_digest = {k: digest(g) for k, g in averaged.items()}
         averaged = {k: sample(g, k) for k, g in averaged.items()}
-        averager.remove_hooks()
         # Then several real steps through the loop.
         pm.pm.register(recorder)
         try:
-            train_loop(run, pm)
+            result = train_loop(ctx, st)
         finally:
             pm.pm.unregister(recorder)
-        owners0 = {_key(it): it.owners for it in global_items(run.partition, run.plan0)}
+        owners0 = {_key(it): it.owners for it in global_items(st.partition, plan0)}
         # The plan (and model) may have been re-drawn: read the final ones.
-        items = [it for it in global_items(run.partition, run.plan) if rank in it.owners]
-        index = LocalIndex(run.model, run.pmap)
+        items = [it for it in global_items(st.partition, st.plan) if rank in it.owners]
+        index = LocalIndex(st.model, st.pmap)
         params = {_key(it): digest(index.view(it)) for it in items}
         state = {}
         for it in items:
             local_name = index.find(it)[0]
             p = index.tensors[local_name]
-            for k, v in run.optimizer.state[p].items():
+            for k, v in st.optimizer.state[p].items():
                 if isinstance(v, torch.Tensor) and v.shape == p.shape:
                     sl = v if it.dim is None else v.narrow(it.dim, *(lambda f: (f[2], f[3] - f[2]))(index.find(it)))
                     state[_key(it) + (k,)] = digest(sl)
-        owners = {_key(it): it.owners for it in global_items(run.partition, run.plan)}
-        full = {n: digest(t) for n, t in _full_params(run).items()} if regime == "backward" else {}
+        owners = {_key(it): it.owners for it in global_items(st.partition, st.plan)}
+        full = {n: digest(t) for n, t in _full_params(st).items()} if regime == "backward" else {}
         return {"owners": owners, "owners0": owners0, "plans": recorder.plans, "local": local, "averaged": averaged,
                 "local_digest": local_digest, "averaged_digest": averaged_digest, "params": params, "state": state,
-                "full": full, "digests": recorder.digests, "summary": run.summary["ranks"][rank],
-                "num_units": run.plan.num_units, "owned": run.plan.owned[rank]}
+                "full": full, "digests": recorder.digests, "summary": result.summary["ranks"][rank],
+                "num_units": st.plan.num_units, "owned": st.plan.owned[rank]}
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def _family_gradients(rank: int, world: int, init_method: str, variant: str) -> dict:
@@ -135,34 +135,34 @@ def _family_gradients(rank: int, world: int, init_method: str, variant: str) -> 
     cfg = small_config(f"masker.granularity={granularity}", "masker.regime=backward", "masker.coverage=0.5",
                        "masker.units_per_layer=4", f"comm.init_method={init_method}-fam{variant}",
                        f"run.name=fam{variant}", run_dir=init_method.removeprefix("file://") + "-runs")
-    run = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
     try:
-        x, y = next(iter(run.data.train_loader(rank, world, 8)))
+        x, y = next(iter(ctx.data.train_loader(rank, world, 8)))
 
         def fresh():
             torch.manual_seed(int(cfg.seed))
-            return run.adapter.build(run.spec)
+            return ctx.adapter.build(ctx.spec)
 
         full = fresh()
-        run.adapter.loss(full(x), (x, y)).backward()
+        ctx.adapter.loss(full(x), (x, y)).backward()
         grads = {n: p.grad for n, p in full.named_parameters()}
         local = {_key(it): sample(grads[it.name] if it.dim is None else grads[it.name].narrow(it.dim, it.start, it.stop - it.start), _key(it))
-                 for it in global_items(run.partition, run.plan)}
+                 for it in global_items(st.partition, st.plan)}
         del full, grads
         per_plan = []
-        for plan in family(run.plan, run.partition):
-            model, pmap = apply_backward_masking(fresh(), run.partition, plan.owned[rank])
-            averager = OwnerGroupAverager(model, pmap, plan, run.partition, run.comm)
+        for plan in family(st.plan, st.partition):
+            model, pmap = apply_backward_masking(fresh(), st.partition, plan.owned[rank])
+            averager = OwnerGroupAverager(model, pmap, plan, st.partition, ctx.comm)
             averager.prepare()
-            run.adapter.loss(model(x), (x, y)).backward()
+            ctx.adapter.loss(model(x), (x, y)).backward()
             averager.finish()
             averager.remove_hooks()
             index = LocalIndex(model, pmap)
             per_plan.append({_key(it): (it.owners, sample(index.view(it, grad=True), _key(it)))
-                             for it in global_items(run.partition, plan) if rank in it.owners})
+                             for it in global_items(st.partition, plan) if rank in it.owners})
         return {"local": local, "per_plan": per_plan}
     finally:
-        run.comm.shutdown()
+        ctx.comm.shutdown()
 
 
 def _worker(rank: int, world: int, init_method: str, cases: list[tuple[str, float, list[str]]],

@@ -77,24 +77,24 @@ def check_training(run_dir: str) -> None:
                        "masker.coverage=0.5", f"run.dir={run_dir}", "run.name=w3", "model.variant=resnet18")
     run = train(cfg, env, plugin_manager())
     rank = env.rank
-    local = dict(run.model.named_parameters())
+    local = dict(run.state.model.named_parameters())
     digests = {}
-    for u in run.plan.owned[rank]:
+    for u in run.state.plan.owned[rank]:
         h = hashlib.sha256()
-        for s in run.partition.units[u].slices:
-            local_name = next(n for n, ps in run.pmap.pieces.items() if ps[0].global_name == s.name)
+        for s in run.state.partition.units[u].slices:
+            local_name = next(n for n, ps in run.state.pmap.pieces.items() if ps[0].global_name == s.name)
             h.update(local[local_name].detach().numpy().tobytes())
         digests[u] = h.hexdigest()
     # A fresh communicator: the run's was shut down (its sub-communicators freed) when training ended.
     comm = MpiCommunicator(OmegaConf.structured(MpiCommunicator.Config(name="mpi")), env)
     comm.init()
     everyone = comm.all_gather_object(digests)
-    for u in range(run.plan.num_units):
-        owners = run.plan.owners(u)
+    for u in range(run.state.plan.num_units):
+        owners = run.state.plan.owners(u)
         assert {everyone[r][u] for r in owners} == {everyone[owners[0]][u]}, f"owners {owners} of unit {u} differ"
         assert all(u not in everyone[r] for r in range(env.world_size) if r not in owners)
-    mine = run.summary["ranks"][rank]
-    assert mine["params_sha256"] == tensor_digest(run.model)
+    mine = run.result.summary["ranks"][rank]
+    assert mine["params_sha256"] == tensor_digest(run.state.model)
     groups = mine["bytes_by_group"]
     assert "0-1-2" in groups and groups["0-1-2"]["payload_bytes_per_step"] > 0
     pairs = [g for g in groups if g.count("-") == 1]

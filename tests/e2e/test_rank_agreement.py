@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import RankMismatchError
-from subnetdp.train.loop import describe_disagreement, setup
+from subnetdp.train.setup import describe_disagreement, setup
 from tests.helpers import plugin_manager, run_ranks, small_config
 
 

@@ -24,7 +24,8 @@ import torch
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
 from subnetdp.core.plan import MaskPlan, make_plan
-from subnetdp.train.loop import build_plan, train
+from subnetdp.train.loop import train
+from subnetdp.train.setup import build_plan
 from tests.helpers import plugin_manager, small_config
 
 PM = plugin_manager()
@@ -76,10 +77,10 @@ def test_plugin_runs_two_steps(kind, name, tmp_path):
                     "(its refusal is tested by test_nccl_refuses_clearly_without_a_gpu)")
     cfg = small_config(*overrides, recipe=None, run_dir=tmp_path)
     run = train(cfg, LaunchEnv(), PM)
-    assert run.step == 2
-    assert run.summary["ranks"][0]["params_held"] == run.summary["full_model_params"]
-    assert run.eval_metrics and all(math.isfinite(v) for v in run.eval_metrics.values())
-    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+    assert run.state.step == 2
+    assert run.result.summary["ranks"][0]["params_held"] == run.result.summary["full_model_params"]
+    assert run.result.eval_metrics and all(math.isfinite(v) for v in run.result.eval_metrics.values())
+    assert all(torch.isfinite(p).all() for p in run.state.model.parameters())
     assert (tmp_path / f"{kind}-{name}" / "summary.json").exists()
 
 

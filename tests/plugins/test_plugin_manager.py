@@ -37,20 +37,20 @@ class Recorder:
         self.calls: list[tuple] = []
 
     @hookimpl
-    def subnetdp_on_run_start(self, run):
-        self.calls.append(("start", run.rank, run.plan.digest()))
+    def subnetdp_on_run_start(self, context, state):
+        self.calls.append(("start", context.rank, state.plan.digest()))
 
     @hookimpl
-    def subnetdp_on_step_end(self, run, step, metrics):
+    def subnetdp_on_step_end(self, step, metrics):  # a hook takes only the keyword parameters it needs
         self.calls.append(("step", step, round(metrics["loss"], 6)))
 
     @hookimpl
-    def subnetdp_on_eval_end(self, run, step, metrics):
+    def subnetdp_on_eval_end(self, step, metrics):
         self.calls.append(("eval", step, sorted(metrics)))
 
     @hookimpl
-    def subnetdp_on_run_end(self, run):
-        self.calls.append(("end", run.summary["steps"]))
+    def subnetdp_on_run_end(self, result):
+        self.calls.append(("end", result.summary["steps"]))
 
 
 def test_lifecycle_hooks_fire_in_order(tmp_path):

@@ -187,8 +187,8 @@ def test_nonfinite_stop_keeps_the_last_good_checkpoint_and_skip_skips(tmp_path):
     # skip: every step after the first is skipped, so the weights stay those of step 1.
     run = train_loop(tmp_path, "skip", "train.steps=3", "optim.lr=1e30", "train.on_nonfinite=skip")
     step1 = PieceReader(good, ck.read_manifest(good)).get("fc.weight")
-    params = dict(run.model.named_parameters())
-    assert run.step == 3 and torch.equal(params["fc.weight"], step1)
+    params = dict(run.state.model.named_parameters())
+    assert run.state.step == 3 and torch.equal(params["fc.weight"], step1)
 
 
 def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
@@ -197,10 +197,10 @@ def test_adamw_run_extended_by_resume_is_bit_identical(tmp_path):
     straight = train_loop(tmp_path, "straight", "train.steps=4", *extra)
     train_loop(tmp_path, "extended", "train.steps=2", "resume=auto", *extra)  # fresh start: no checkpoint yet
     extended = train_loop(tmp_path, "extended", "train.steps=4", "resume=auto", *extra)
-    assert extended.step == 4
-    for (name, a), (_, b) in zip(straight.model.state_dict().items(), extended.model.state_dict().items()):
+    assert extended.state.step == 4
+    for (name, a), (_, b) in zip(straight.state.model.state_dict().items(), extended.state.model.state_dict().items()):
         assert torch.equal(a, b), name
-    sa, sb = straight.optimizer.state_dict()["state"], extended.optimizer.state_dict()["state"]
+    sa, sb = straight.state.optimizer.state_dict()["state"], extended.state.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys()
     for i in sa:
         for k in sa[i]:
@@ -216,4 +216,4 @@ def test_local_steps_hand_a_nonfinite_inner_step_to_the_synchronisation(tmp_path
         train_loop(tmp_path, "ls-nan", "train.steps=4", *local)
     assert "in the local steps before the synchronisation at step 2 (rank 0: 1 step(s))" in str(e.value)
     run = train_loop(tmp_path, "ls-skip", "train.steps=4", *local, "train.on_nonfinite=skip")
-    assert run.step == 4 and run.averager.syncs == 2
+    assert run.state.step == 4 and run.state.synchronizer.syncs == 2

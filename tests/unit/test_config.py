@@ -91,7 +91,7 @@ def test_cli_prints_one_line_without_traceback(tmp_path):
 
 
 def test_local_communicator_with_several_workers_fails_before_any_worker_starts():
-    from subnetdp.train.loop import preflight
+    from subnetdp.train.setup import preflight
     from tests.helpers import plugin_manager, small_config
 
     with pytest.raises(ConfigError, match=r"comm\.name='local': runs one process, but 2 were asked for.*launch\.nproc=1"):

@@ -32,7 +32,8 @@ from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.fields import Bounds
 from subnetdp.train.configure import load_config, validate
 from subnetdp.core.errors import ConfigError, NonFiniteError, SubnetdpError
-from subnetdp.train.loop import preflight, train
+from subnetdp.train.loop import train
+from subnetdp.train.setup import preflight
 from tests.helpers import plugin_manager
 
 SEED = int(os.environ.get("SUBNETDP_FUZZ_SEED", "16"))
@@ -119,7 +120,7 @@ def test_fuzzed_config_is_refused_in_one_line_naming_a_key_or_trains(pairs, tmp_
     except NonFiniteError:
         OUTCOMES["stopped: non-finite"] += 1
         return
-    assert run.step == 1, where
+    assert run.state.step == 1, where
     OUTCOMES["trained one step"] += 1
 
 

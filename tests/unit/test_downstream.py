@@ -73,7 +73,7 @@ def run_dir(tmp_path_factory):
                        "eval.offline=true", "data.stdlib_max_mb=0.5", "data.seq_len=64", f"data.cache_dir={tmp}/data",
                        "run.name=llama", "checkpoint.enabled=true", "checkpoint.final=always", recipe="llama_tiny_stdlib", run_dir=tmp / "runs")
     run = train(cfg, LaunchEnv(), plugin_manager())
-    assert set(run.eval_metrics) >= {"loss", "tiny_python_quiz/acc", "tiny_python_quiz/acc_norm"}
+    assert set(run.result.eval_metrics) >= {"loss", "tiny_python_quiz/acc", "tiny_python_quiz/acc_norm"}
     return tmp / "runs" / "llama", tasks
 
 

@@ -43,7 +43,7 @@ def _host_rng(tmp_path: Path, name: str, seed: int) -> dict:
     cfg = small_config("comm.name=local", "masker.coverage=1", "train.batch_size=8", "train.steps=1",
                        "checkpoint.enabled=true", "checkpoint.final=always", f"seed={seed}", f"run.name={name}", run_dir=tmp_path)
     run = train(cfg, ONE, plugin_manager())
-    state = ck.read_state(ck.step_dir(run.run_dir, 1) / ck.rank_files(0)[1])["rng"]
+    state = ck.read_state(ck.step_dir(run.context.run_dir, 1) / ck.rank_files(0)[1])["rng"]
     return {k: state[k] for k in ("python", "python_gauss", "numpy", "numpy_pos")}
 
 

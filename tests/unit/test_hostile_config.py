@@ -9,7 +9,7 @@ import pytest
 from subnetdp import cli
 from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError
-from subnetdp.train.loop import preflight
+from subnetdp.train.setup import preflight
 from tests.helpers import plugin_manager
 
 CASES = {  # override -> the key its message must start with

@@ -111,9 +111,9 @@ def test_links_in_the_checkpoint_tree_are_never_followed(source, tmp_path):
     (root / "step_00000009").symlink_to(ck.step_dir(other, 2))
     (root / "step_00000000").symlink_to(ck.step_dir(other, 1))
     run = _train(tmp_path, "victim", "train.steps=2", "checkpoint.every=1", "checkpoint.keep=1", "resume=auto")
-    assert run.step == 2
+    assert run.state.step == 2
     assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before  # nothing there touched
-    assert [p.name for p in ck.complete_checkpoints(run.run_dir)] == ["step_00000002"]
+    assert [p.name for p in ck.complete_checkpoints(run.context.run_dir)] == ["step_00000002"]
     assert (root / "step_00000009").is_symlink() and (root / "step_00000000").is_symlink()
     assert not (root / "step_00000001.tmp").exists()  # the link itself is gone, its target is not
     # A file of a checkpoint that is a link is refused; so is checkpoints/ itself as a link.
@@ -308,7 +308,7 @@ def test_a_damaged_manifest_stops_a_resume_before_any_worker(source, tmp_path):
     ckpt = _copy(ck.step_dir(source, 2), tmp_path)
     manifest = json.loads((ckpt / ck.MANIFEST).read_text())
     (ckpt / ck.MANIFEST).write_text(json.dumps({**manifest, "pieces": []}))
-    from subnetdp.train.loop import preflight
+    from subnetdp.train.setup import preflight
     cfg = small_config("run.name=r", f"resume={ckpt}", run_dir=tmp_path)
     with pytest.raises(CheckpointError, match=r"MANIFEST.json: pieces is \[\]"):
         preflight(cfg, 2, plugin_manager())  # what the launcher runs before it starts any worker

@@ -30,7 +30,7 @@ def test_llama_export_round_trip(tmp_path):
     plain.load_state_dict(load_file(str(tmp_path / "export" / "model.safetensors")))
     for m in (model, plain):
         assert type(m) is Llama
-        metrics = evaluate(m, run.adapter, run.data, run.cfg)
-        assert metrics["loss"] == pytest.approx(run.eval_metrics["loss"], rel=1e-6)
+        metrics = evaluate(m, run.context.adapter, run.context.data, run.context.cfg)
+        assert metrics["loss"] == pytest.approx(run.result.eval_metrics["loss"], rel=1e-6)
     for (n, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
         assert torch.equal(a, b), n

@@ -8,7 +8,8 @@ import torch
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError
-from subnetdp.train.loop import train_loop, preflight, set_threads, setup
+from subnetdp.train.loop import train_loop
+from subnetdp.train.setup import preflight, set_threads, setup
 from subnetdp.plan.report import plan_report
 from subnetdp.parallel.checkpointing import checkpointed_positions
 from subnetdp.parallel.compile import compile_problem
@@ -24,14 +25,14 @@ def _run(tmp_path, *overrides: str, recipe: str = "llama_tiny_stdlib") -> tuple[
     cfg = small_config(*cache, *overrides, recipe=recipe, run_dir=tmp_path / "runs")
     env = LaunchEnv(0, 1, 0, 1, "test")
     set_threads(cfg, env)
-    run = setup(cfg, env, plugin_manager())
+    ctx, state = setup(cfg, env, plugin_manager())
     try:
-        train_loop(run, plugin_manager())
+        result = train_loop(ctx, state)
     finally:
-        run.comm.shutdown()
-    params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in run.model.named_buffers()}
-    return params, buffers, run.summary["ranks"][0]
+        ctx.comm.shutdown()
+    params = {n: p.detach().clone() for n, p in state.model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in state.model.named_buffers()}
+    return params, buffers, result.summary["ranks"][0]
 
 
 def _same(a: dict, b: dict) -> None:

@@ -9,7 +9,7 @@ from subnetdp.plan.budget import budget_search, parse_memory
 from subnetdp.core.config import config_root
 from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError, SubnetdpError
-from subnetdp.train.loop import build_plan
+from subnetdp.train.setup import build_plan
 from subnetdp.plan.report import plan_report, shape_plan
 from tests.helpers import plugin_manager, small_config
 

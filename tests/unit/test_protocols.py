@@ -1,6 +1,6 @@
 """Every implementation of a core protocol declares every member with the protocol's parameters:
 the synchronisers (every step, FSDP-sharded, local steps) implement ``GradSynchronizer``, and the
-loop's parallelism implements ``Parallelism``. A method renamed or re-parameterised on one side
+training state's parallelism implements ``Parallelism``. A method renamed or re-parameterised on one side
 fails here, not in the middle of a run."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import typing
 
 import pytest
 
-from subnetdp.core.contracts import GradSynchronizer, Parallelism
-from subnetdp.parallel.apply import RankParallelism
+from subnetdp.parallel.apply import Parallelism, RankParallelism
 from subnetdp.parallel.fsdp import ShardedOwnerAverager
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.sync import GradSynchronizer, OwnerGroupAverager
 
 IMPLEMENTATIONS = [(GradSynchronizer, OwnerGroupAverager), (GradSynchronizer, ShardedOwnerAverager),
                    (GradSynchronizer, LocalStepsSynchronizer), (Parallelism, RankParallelism)]

@@ -103,23 +103,6 @@ FROZEN_API: dict[str, list[str]] = {
     'GROUP_BY': [
         'tuple',
     ],
-    'GradSynchronizer': [
-        '__init__(self, *args, **kwargs)',
-        "bytes_per_step(self) -> 'int'",
-        'carried(self) -> "\'Optional[torch.Tensor]\'"',
-        'carry(self, flags: "\'torch.Tensor\'") -> \'bool\'',
-        "defer_nonfinite(self, step: 'int') -> 'bool'",
-        'describe(self) -> "\'dict[str, Any]\'"',
-        "finish(self) -> 'None'",
-        'grad_norm(self, flags: "\'Optional[torch.Tensor]\'" = None) -> \'float\'',
-        'local_grads(self) -> "\'list[torch.Tensor]\'"',
-        "no_sync(self) -> 'ContextManager[None]'",
-        'owner_groups(self) -> "\'list[tuple[int, ...]]\'"',
-        "prepare(self) -> 'None'",
-        "remove_hooks(self) -> 'None'",
-        "scale_grads_(self, coef: 'float') -> 'None'",
-        'state_tensors(self) -> "\'list[torch.Tensor]\'"',
-    ],
     'Handle': [
         "wait(self) -> 'None'",
     ],
@@ -181,18 +164,6 @@ FROZEN_API: dict[str, list[str]] = {
     ],
     'NonFiniteError': [
     ],
-    'Parallelism': [
-        '__init__(self, *args, **kwargs)',
-        "autocast(self) -> 'ContextManager[Any]'",
-        "averager(self) -> 'GradSynchronizer'",
-        "counting(self, active: 'bool') -> 'ContextManager[None]'",
-        "describe(self) -> 'dict[str, Any]'",
-        "gathered(self, writeback: 'bool' = False) -> 'ContextManager[None]'",
-        "memory_tracker(self, baseline: 'int') -> 'ContextManager[Any]'",
-        'optimizer_state_from_full(self, optimizer: "\'torch.optim.Optimizer\'") -> \'None\'',
-        'optimizer_state_full(self, optimizer: "\'torch.optim.Optimizer\'") -> \'list[dict]\'',
-        'sharded: property',
-    ],
     'ParamMap': [
         "__init__(self, pieces: 'dict[str, list[Piece]]', unit_of: 'dict[str, int | None]') -> None",
         "global_names(self) -> 'list[str]'",
@@ -223,14 +194,27 @@ FROZEN_API: dict[str, list[str]] = {
         "load_state_dict(self, state: 'dict[str, int]') -> 'None'",
         "state_dict(self) -> 'dict[str, int]'",
     ],
-    'Run': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: "\'Communicator\'", adapter: "\'ModelAdapter\'", data: "\'DataModule\'", spec: \'DataSpec\', partition: \'Partition\', plan: "\'MaskPlan\'", model: "\'nn.Module\'", pmap: \'ParamMap\', run_dir: \'Path\', optimizer: "\'Optional[torch.optim.Optimizer]\'" = None, averager: \'Optional[GradSynchronizer]\' = None, parallel: \'Optional[Parallelism]\' = None, lock: \'Any\' = None, step: \'int\' = 0, eval_metrics: \'dict[str, float]\' = <factory>, eval_union: \'dict[str, Any]\' = <factory>, alignment: \'list[dict[str, float]]\' = <factory>, downstream: \'Any\' = None, summary: \'dict[str, Any]\' = <factory>) -> None',
+    'RunContext': [
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None) -> None',
         'rank: property',
+        'world_size: property',
+    ],
+    'RunResult': [
+        "__init__(self, summary: 'dict[str, Any]', eval_metrics: 'dict[str, float]' = <factory>, eval_union: 'dict[str, Any]' = <factory>, alignment: 'list[dict[str, float]]' = <factory>, step: 'int' = 0) -> None",
     ],
     'SubnetdpError': [
     ],
     'TensorSlice': [
         "__init__(self, name: 'str', dim: 'int | None' = None, start: 'int' = 0, stop: 'int' = 0) -> None",
+    ],
+    'TrainStateView': [
+        'model: property',
+        'optimizer: property',
+        'partition: property',
+        'plan: property',
+        'pmap: property',
+        'scheduler: property',
+        'step: property',
     ],
     'Unit': [
         "__init__(self, id: 'int', name: 'str', group: 'str', cost: 'float', slices: 'tuple[TensorSlice, ...]', buffers: 'tuple[TensorSlice, ...]' = ()) -> None",

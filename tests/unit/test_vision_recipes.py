@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from subnetdp.train.configure import load_config
-from subnetdp.train.loop import build_plan
+from subnetdp.train.setup import build_plan
 from subnetdp.plugins.data.cifar import Cifar100Data, CifarData
 from subnetdp.plugins.data.imagenet import ImageNetData
 from tests.helpers import plugin_manager

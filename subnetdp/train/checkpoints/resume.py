@@ -2,11 +2,16 @@
 
 The loop uses one :class:`Checkpointer`::
 
-    ckpt = Checkpointer(run, optimizer, scheduler, loader)
+    ckpt = Checkpointer(context, state, loader)
     first = ckpt.start() + 1           # collective: resume (cfg.resume) or start fresh
     for step in range(first, steps + 1):
         ...the training step...
         ckpt.after_step(step)          # collective on save steps (checkpoint.every, the last step)
+
+It holds no model: what it saves (model, plan, optimizer, schedule, the synchroniser's own state)
+is read from the training state at the time, so a re-planned state needs nothing patched here.
+Resuming is a re-plan of the state from the checkpoint
+(:class:`~subnetdp.train.checkpoints.source.CheckpointPieces`).
 
 The inf/NaN guard that stops a run (leaving the last good checkpoint untouched) is the
 synchroniser's: :class:`subnetdp.sdp.sync.NonFiniteGuard`.
@@ -25,45 +30,23 @@ values and optimizer state. The data position carries over by samples seen:
 
 from __future__ import annotations
 
-import json
-import random
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from subnetdp.core import config as config_mod
+from subnetdp.core.contracts import RunContext
+from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
+from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
-from subnetdp.core import config as config_mod
-from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
-from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.local_steps import LocalStepsSynchronizer
-from subnetdp.sdp.pieces import LocalIndex
+from subnetdp.train.checkpoints.source import CheckpointPieces, extra_by_prefix, local_names, rng_state
 
-
-def rng_state() -> dict[str, Any]:
-    """torch (CPU and CUDA), numpy and Python RNG states, as tensors and ints."""
-    _, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
-             "python_gauss": gauss, "numpy": torch.from_numpy(keys.astype(np.int64)), "numpy_pos": int(pos),
-             "numpy_gauss": [int(has_gauss), float(cached)]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(int(x) for x in state["python"].tolist()), state["python_gauss"]))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"],
-                         state["numpy_gauss"][0], state["numpy_gauss"][1]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
-
+if TYPE_CHECKING:
+    from subnetdp.train.state import TrainState
 
 def check_config(cfg: Any) -> None:
     """``resume`` and ``checkpoint.*`` across keys: ``resume`` is never, auto (with a fixed
@@ -112,39 +95,26 @@ def final_wanted(cfg: Any) -> bool:
 
 
 class Checkpointer:
-    """Saves this rank's part of every checkpoint and restores it on resume, under any plan.
+    """Saves this rank's part of every checkpoint and resumes from one, under any plan.
+
+    It holds no model: the model, plan, optimizer, schedule and synchroniser are read from the
+    training state when a checkpoint is written, so a re-planned state needs nothing patched here.
 
     Args:
-        run: the :class:`~subnetdp.core.contracts.Run` (model, plan, partition, comm, config, run_dir).
-        optimizer, scheduler, loader: the state that is saved besides the tensors.
+        ctx: the run context (config, communicator, run directory).
+        state: the training state.
+        loader: the training loader, whose position is saved and restored.
     """
 
-    def __init__(self, run: Any, optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any) -> None:
-        self.run, self.optimizer, self.scheduler, self.loader = run, optimizer, scheduler, loader
-        self.cfg, self.comm, self.rank = run.cfg, run.comm, run.rank
+    def __init__(self, ctx: RunContext, state: "TrainState", loader: Any) -> None:
+        self.ctx, self.state, self.loader = ctx, state, loader
+        self.cfg, self.comm, self.rank = ctx.cfg, ctx.comm, ctx.rank
         self.run_id = ""
         self.last_saved: Path | None = None
 
-    # ------------------------------------------------------------------ local tensors
-    def _outer(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Local-steps outer state: prefix -> local parameter name -> tensor of its local shape."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        if isinstance(self.run.averager, LocalStepsSynchronizer):
-            for prefix, name, t in self.run.averager.outer_tensors():
-                out.setdefault(prefix, {})[name] = t
-        return out
-
-    def _per_owner(self) -> bool:
-        """Whether owners' copies of a piece differ, so every owner writes its own (local steps)."""
-        return isinstance(self.run.averager, LocalStepsSynchronizer)
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
     def _local_names(self) -> list[str]:
         """The local name of every optimizer parameter, in the optimizer's order (outside gathered())."""
-        names = {id(t): n for n, t in self.run.model.named_parameters()}
-        return [names[id(p)] for p in self._params()]
+        return local_names(self.state.model, self.state.optimizer)
 
     # ------------------------------------------------------------------ saving
     def after_step(self, step: int) -> None:
@@ -152,13 +122,14 @@ class Checkpointer:
         every, last = int(self.cfg.checkpoint.every), int(self.cfg.train.steps)
         if self.cfg.checkpoint.enabled and ((step == last and final_wanted(self.cfg)) or (every and step % every == 0)):
             self.save(step)
-        ck.fault_point(ck.KILL_AT_STEP, step, self.rank, self.run.run_dir)
+        ck.fault_point(ck.KILL_AT_STEP, step, self.rank, self.ctx.run_dir)
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step``: every rank its pieces and own files, then rank 0 the plan,
         config and manifest (with the index of every piece)."""
-        run, comm = self.run, self.comm
-        final = ck.step_dir(run.run_dir, step)
+        ctx, state, comm = self.ctx, self.state, self.comm
+        plan, partition, sync = state.plan, state.partition, state.synchronizer
+        final = ck.step_dir(ctx.run_dir, step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
             if tmp.exists() or tmp.is_symlink():  # a link is unlinked, never followed
@@ -167,13 +138,13 @@ class Checkpointer:
         comm.barrier()  # collective: the temporary directory exists before anyone writes into it
         names = self._local_names()
         # collective when sharded: the optimizer state of each parameter is gathered over its shard group.
-        full_state = run.parallel.optimizer_state_full(self.optimizer)
+        full_state = state.parallel.optimizer_state_full(state.optimizer)
         optim_state = dict(zip(names, full_state))
-        with run.parallel.gathered():  # collective when sharded: each rank writes from its replica's full tensors
-            index = LocalIndex(run.model, run.pmap)
-            pieces = units.pieces_to_write(self.rank, run.partition, run.plan, index, self._outer(), optim_state,
-                                           per_owner=self._per_owner())
-            buffers = units.buffers_to_write(self.rank, run.partition, run.plan, index)
+        with state.parallel.gathered(state.model):  # collective when sharded: each rank writes from its replica's full tensors
+            index = LocalIndex(state.model, state.pmap)
+            pieces = units.pieces_to_write(self.rank, partition, plan, index, extra_by_prefix(state), optim_state,
+                                           per_owner=sync.owners_diverge)
+            buffers = units.buffers_to_write(self.rank, partition, plan, index)
             files = self._write_rank_files(tmp, step, pieces, buffers)
         del full_state, optim_state, pieces
         # collective: every rank's files are on disk (fsynced) before the manifest names them.
@@ -181,30 +152,31 @@ class Checkpointer:
         if self.rank == 0:
             for f in everyone:
                 files.update(f)
-            files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", run.plan.to_json(run.partition))
+            files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
             files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
-            spec = run.spec
+            spec = ctx.spec
             manifest = {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": comm.world_size,
-                        "plan_digest": run.plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
-                        "partition_digest": units.partition_digest(run.partition),
-                        "partition": {"granularity": run.partition.granularity, "units": len(run.partition.units),
+                        "plan_digest": plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
+                        "partition_digest": units.partition_digest(partition),
+                        "partition": {"granularity": partition.granularity, "units": len(partition.units),
                                       "units_per_layer": int(self.cfg.masker.units_per_layer)},
                         "config_digest": config_mod.digest(self.cfg),
                         "model": OmegaConf.to_container(self.cfg.model, resolve=True),
                         "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-                        "reference": run.adapter.reference_options(spec),
+                        "reference": ctx.adapter.reference_options(spec),
                         "files": dict(sorted(files.items())),
-                        "pieces": units.piece_index(run.partition, run.plan, self._per_owner())}
+                        "pieces": units.piece_index(partition, plan, sync.owners_diverge)}
             ck.finish_directory(tmp, final, manifest)
-            ck.prune(run.run_dir, int(self.cfg.checkpoint.keep), final)
+            ck.prune(ctx.run_dir, int(self.cfg.checkpoint.keep), final)
         comm.barrier()  # collective: no rank runs ahead of a checkpoint that is not complete yet
         self.last_saved = final
         return final
 
     def _write_rank_files(self, tmp: Path, step: int, pieces: dict[str, torch.Tensor],
                           buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+        state = self.state
         meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step),
-                "world_size": str(self.comm.world_size), "plan_digest": self.run.plan.digest()}
+                "world_size": str(self.comm.world_size), "plan_digest": state.plan.digest()}
         out = {}
         if pieces:  # a rank may own nothing another owner does not write
             name = ck.pieces_file(self.rank)
@@ -213,16 +185,16 @@ class Checkpointer:
         st_name, state_name = ck.rank_files(self.rank)
         out[st_name] = ck.write_atomic(tmp / st_name, lambda p: ck.save_safetensors(
             p, buffers, {**meta, "rank": str(self.rank)}))
-        optim = self.optimizer.state_dict()
-        state = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
+        optimizer = state.optimizer
+        optim = optimizer.state_dict()
+        saved = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
                  "world_size": self.comm.world_size, "batch_size": int(self.cfg.train.batch_size),
-                 "optimizer": {"class": type(self.optimizer).__name__,
+                 "optimizer": {"class": type(optimizer).__name__,
                                "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                 for g in optim["param_groups"]]},
-                 "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state()}
-        if isinstance(self.run.averager, LocalStepsSynchronizer):  # inner steps skipped in this cycle so far
-            state["local_steps_nonfinite"] = self.run.averager.nonfinite.clone()
-        out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(state, str(p)),
+                 "scheduler": state.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state(),
+                 **state.synchronizer.rank_state()}  # local steps: the inner steps skipped in this cycle so far
+        out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
         return out
 
@@ -230,13 +202,14 @@ class Checkpointer:
     def start(self) -> int:
         """Resume per ``cfg.resume`` (``never``, ``auto``, a path); returns the step to continue after.
 
-        Collective: rank 0 chooses the checkpoint and the run id, every rank loads its own pieces,
-        and any rank's failure stops every rank with that rank's message.
+        Resuming re-plans the state from the checkpoint (:class:`~subnetdp.train.checkpoints.source.CheckpointPieces`),
+        on the run's own plan. Collective: rank 0 chooses the checkpoint and the run id, every rank
+        loads its own pieces, and any rank's failure stops every rank with that rank's message.
         """
         choice: dict[str, Any] = {"path": None, "run_id": uuid.uuid4().hex, "error": None}
         if self.rank == 0:
             try:
-                ck.checkpoints_dir(self.run.run_dir)  # a link there is refused before any step is trained
+                ck.checkpoints_dir(self.ctx.run_dir)  # a link there is refused before any step is trained
                 path = self._choose()
                 if path is not None:
                     choice.update(path=str(path), run_id=ck.read_manifest(path)["run_id"])
@@ -248,114 +221,26 @@ class Checkpointer:
         self.run_id = choice["run_id"]
         if choice["path"] is None:
             return 0
-        error, step, replanned = None, 0, False
+        source, error = CheckpointPieces(Path(choice["path"]), self.loader), None
         try:
-            step, replanned = self._load(Path(choice["path"]))
+            self.state.replan(self.state.plan, source)
         except SubnetdpError as e:
             error = f"rank {self.rank}: {e}"
         errors = [e for e in self.comm.all_gather_object(error) if e]  # collective: all load or none goes on
         if errors:
             raise CheckpointError("; ".join(errors))
         if self.rank == 0:
-            how = " on a new plan (re-planned: each rank loaded its new units)" if replanned else ""
-            print(f"resumed from {choice['path']} (step {step}){how}", flush=True)
-        return step
+            how = " on a new plan (re-planned: each rank loaded its new units)" if source.replanned else ""
+            print(f"resumed from {choice['path']} (step {self.state.step}){how}", flush=True)
+        return self.state.step
 
     def _choose(self) -> Path | None:
         resume = str(self.cfg.resume)
         if resume == "never":
             return None
         if resume == "auto":
-            return ck.latest_checkpoint(self.run.run_dir)
+            return ck.latest_checkpoint(self.ctx.run_dir)
         return ck.resolve_checkpoint(Path(resume))
-
-    def _load(self, path: Path) -> tuple[int, bool]:
-        """Load this rank's pieces; returns the checkpoint's step and whether the plan changed."""
-        run, world = self.run, self.comm.world_size
-        manifest = ck.read_manifest(path)
-        self._check_compatible(path, manifest)
-        old_plan = read_plan(path, manifest)
-        old_world = int(manifest["world_size"])
-        same_plan = old_world == world and manifest["plan_digest"] == run.plan.digest()
-        state_name = ck.rank_files(self.rank if old_world == world else 0)[1]
-        state = ck.read_state(ck.verify_file(path, state_name, manifest))
-        reader = units.PieceReader(path, manifest)
-        names = self._local_names()
-        # collective when sharded: full tensors in, cut back into this rank's shards on exit.
-        with torch.no_grad(), run.parallel.gathered(writeback=True):
-            index = LocalIndex(run.model, run.pmap)
-            outer = self._outer()
-            optim_state, found_outer = units.load_pieces(reader, self.rank, run.partition, run.plan, index, outer,
-                                                         own=same_plan)
-            units.load_buffers(reader, self.rank, run.partition, run.plan, index, old_plan, own=same_plan)
-            # A checkpoint written with per-step synchronisation has no outer state (a cycle starts here),
-            # one written with sync.outer_momentum=0 no outer momentum (it starts at zero).
-            local = run.averager if isinstance(run.averager, LocalStepsSynchronizer) else None
-            if local is not None and "outer_anchor/" not in found_outer:
-                local.restart_cycle()
-        if local is not None and "local_steps_nonfinite" in state:
-            if tuple(state["local_steps_nonfinite"].shape) == tuple(local.nonfinite.shape):
-                local.nonfinite.copy_(state["local_steps_nonfinite"])
-        self._load_optimizer(path / state_name, state, names, optim_state)
-        where = path / state_name
-        try:
-            self.scheduler.load_state_dict(state["scheduler"])
-            batch = int(self.cfg.train.batch_size)
-            if old_world == world and int(state.get("batch_size", batch)) == batch:
-                self.loader.load_state_dict(state["loader"])
-                set_rng_state(state["rng"])
-            else:
-                self.loader.load_state_dict(units.carry_position(
-                    state["loader"], (old_world, int(state.get("batch_size", batch))), (world, batch),
-                    self.loader.batches_per_epoch))
-                reseed(int(self.cfg.seed) + int(manifest["step"]))
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{where}: its state does not fit this run ({e})") from None
-        return int(manifest["step"]), not same_plan
-
-    def _load_optimizer(self, where: Path, state: dict[str, Any], names: list[str],
-                        optim_state: dict[str, dict[str, torch.Tensor]]) -> None:
-        saved = state.get("optimizer")
-        if not isinstance(saved, dict) or saved.get("class") != type(self.optimizer).__name__:
-            found = saved.get("class") if isinstance(saved, dict) else None
-            raise CheckpointError(f"{where}: optimizer {found}, this run uses {type(self.optimizer).__name__}: "
-                                  "use the same optim.name or start a new run")
-        groups = saved["param_groups"]
-        mine = self.optimizer.state_dict()["param_groups"]
-        if len(groups) != len(mine):
-            raise CheckpointError(f"{where}: {len(groups)} optimizer parameter groups, this run has {len(mine)}")
-        sd = {"state": {i: optim_state[n] for i, n in enumerate(names) if n in optim_state},
-              "param_groups": [{**g, "params": m["params"]} for g, m in zip(groups, mine)]}
-        try:
-            self.optimizer.load_state_dict(sd)
-            self.run.parallel.optimizer_state_from_full(self.optimizer)
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{where}: its optimizer state does not fit this run ({e})") from None
-
-    def _check_compatible(self, path: Path, manifest: dict[str, Any]) -> None:
-        """What a resume must keep: the model and its partition. World size, plan (coverage, masker,
-        seed) and fsdp.shard_size may change: every piece is keyed by the partition alone."""
-        run = self.run
-        where = path / ck.MANIFEST
-        model = OmegaConf.to_container(self.cfg.model, resolve=True)
-        if manifest["model"] != model:
-            raise CheckpointError(f"{where}: written for model {manifest['model']}, this run trains {model}: "
-                                  "use the same model.* settings or start a new run")
-        if manifest.get("partition_digest") != units.partition_digest(run.partition):
-            part = manifest.get("partition", {})
-            raise CheckpointError(
-                f"{where}: written for a partition of {part.get('units')} {part.get('granularity')}-level units "
-                f"(masker.units_per_layer={part.get('units_per_layer')}), this run cuts the model into "
-                f"{len(run.partition.units)} {run.partition.granularity}-level units: a resume may change the "
-                "world size, coverage, masker and seed, not the units; use the checkpoint's masker.granularity "
-                "and masker.units_per_layer, or start a new run")
-        resample = int(self.cfg.masker.get("resample_every", 0) or 0)
-        if resample > 0 and (manifest["plan_digest"] != run.plan.digest() or manifest["world_size"] != run.plan.world_size):
-            # The run's plan at set-up is the family's base plan, not the one re-drawn by the step saved.
-            raise CheckpointError(f"{where}: written under mask plan {manifest['plan_digest']} (re-drawn by "
-                                  f"masker.resample_every={resample}), this run starts from plan {run.plan.digest()}: "
-                                  "a run with re-drawn plans resumes only from a checkpoint of its base plan; "
-                                  "resume with masker.resample_every=0 to re-plan from this checkpoint")
 
 
 def check_resume_source(cfg: Any) -> None:
@@ -375,34 +260,3 @@ def check_resume_source(cfg: Any) -> None:
         path = ck.resolve_checkpoint(Path(resume))
     if path is not None:
         ck.read_manifest(path)
-
-
-def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
-    """The checkpoint's ``plan.json``, checked against the manifest."""
-    f = ck.verify_file(path, "plan.json", manifest)
-    try:
-        plan = MaskPlan.from_dict(json.loads(f.read_text(encoding="utf-8")))
-    except (SubnetdpError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{f}: not a valid mask plan ({e})") from None
-    if plan.digest() != manifest["plan_digest"] or plan.world_size != manifest["world_size"]:
-        raise CheckpointError(f"{f}: does not match {ck.MANIFEST} (plan digest or world size)")
-    return plan
-
-
-def seed_host_rngs(seed: int) -> None:
-    """Python's and numpy's global random states from ``seed`` (saved in checkpoints, so they must agree
-    between two runs of the same seed)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
-
-def reseed(seed: int) -> None:
-    """Host RNGs of a rank whose old stream has no counterpart (a resume on another world size)."""
-    seed_host_rngs(seed)
-    torch.manual_seed(seed)
-
-
-def json_dumps(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))

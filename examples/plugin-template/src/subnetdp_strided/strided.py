@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from subnetdp import ConfigError, Masker, MaskerConfig, MaskPlan, Partition, Registry, Run, group_units, hookimpl, units_kept
+from subnetdp import (ConfigError, Masker, MaskerConfig, MaskPlan, Partition, Registry, RunContext, TrainStateView,
+                      group_units, hookimpl, units_kept)
 
 NAME = "strided"  # what a config selects: masker.name=strided
 
@@ -59,10 +60,14 @@ def subnetdp_register_maskers(registry: Registry) -> None:
 
 
 @hookimpl
-def subnetdp_on_run_end(run: Run) -> None:
-    """Print the plan's digest once (rank 0), and only in runs that use this masker."""
-    if run.rank != 0 or run.cfg.masker.name != NAME:
+def subnetdp_on_run_end(context: RunContext, state: TrainStateView) -> None:
+    """Print the plan's digest once (rank 0), and only in runs that use this masker.
+
+    A lifecycle hook takes the keyword parameters it needs (here not ``result``), all read-only.
+    """
+    if context.rank != 0 or context.cfg.masker.name != NAME:
         return
-    kept = len(run.plan.owned[0])
-    print(f"strided: plan {run.plan.digest()}, offset {run.cfg.masker.offset}: "
-          f"rank 0 kept {kept} of {run.plan.num_units} units", flush=True)
+    plan = state.plan
+    kept = len(plan.owned[0])
+    print(f"strided: plan {plan.digest()}, offset {context.cfg.masker.offset}: "
+          f"rank 0 kept {kept} of {plan.num_units} units", flush=True)

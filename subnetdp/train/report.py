@@ -1,0 +1,334 @@
+"""What a run shows: progress, log lines, TensorBoard, ``metrics.jsonl`` and the summary.
+
+Reporting is a built-in plugin on the lifecycle hooks, as pytest's terminal reporter is a plugin of
+pytest: :class:`Reporter` is registered on the run's plugin manager for the run's duration
+(:func:`reporting`) and implements ``subnetdp_on_run_start``, ``subnetdp_on_step_end``,
+``subnetdp_on_eval_end`` and ``subnetdp_on_run_end``. The loop only measures (:class:`~subnetdp.train.meter.Meter`)
+and computes the summary (:func:`summarise`, one all-gather); the reporter writes them.
+
+Rank 0 writes the global series (``RUN_DIR/tensorboard``, ``metrics.jsonl``); every rank writes the
+values that differ by rank under ``RUN_DIR/tensorboard/rank_{r}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from subnetdp.core import config as config_mod
+from subnetdp.core.contracts import RunContext, RunResult
+from subnetdp.core.hookspecs import hookimpl
+from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
+
+if TYPE_CHECKING:
+    from subnetdp.train.evaluation import Evaluation
+    from subnetdp.train.state import TrainState
+
+
+class RunLogger:
+    """Writes a run's ``metrics.jsonl`` and TensorBoard events.
+
+    Rank 0 writes the global series to ``RUN_DIR/tensorboard``; every rank writes the values that
+    differ by rank (memory, bytes, step time, its local loss) to ``RUN_DIR/tensorboard/rank_{r}``,
+    so TensorBoard shows one curve per rank under the same tag.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self.global_writer = None
+        self.rank_writer = None
+        self._jsonl = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = run_dir / "tensorboard"
+            if rank == 0:
+                self.global_writer = SummaryWriter(str(tb))
+            self.rank_writer = SummaryWriter(str(tb / f"rank_{rank}"))
+        if rank == 0:
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def scalars(self, step: int, values: dict[str, float], per_rank: bool = False) -> None:
+        writer = self.rank_writer if per_rank else self.global_writer
+        if writer is None:
+            return
+        for k, v in values.items():
+            if v is not None:
+                writer.add_scalar(k, float(v), step)
+
+    def jsonl(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+
+    def text(self, tag: str, text: str) -> None:
+        if self.global_writer is not None:
+            self.global_writer.add_text(tag, text, 0)
+
+    def figure(self, tag: str, fig: Any, step: int = 0) -> None:
+        if self.global_writer is not None:
+            self.global_writer.add_figure(tag, fig, step)
+
+    def image(self, tag: str, img: Any, step: int = 0) -> None:
+        if self.global_writer is not None:
+            self.global_writer.add_image(tag, img, step, dataformats="HW")
+
+    def close(self) -> None:
+        for w in (self.global_writer, self.rank_writer):
+            if w is not None:
+                w.flush()
+                w.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self.global_writer = self.rank_writer = self._jsonl = None
+
+
+class Reporter:
+    """The built-in reporting plugin of one run (registered by :func:`reporting`).
+
+    It holds what reporting needs between hooks: the logger, the progress bar (rank 0), this rank's
+    losses since the last log step and the lines of an evaluation, which it writes after its step's
+    own line. The meter (step time, memory, bytes) is given to it.
+
+    Collective: on log steps (``train.log_every`` and the last step) every rank's reporter adds up the
+    world's losses in ``subnetdp_on_step_end``; every rank calls the hook on the same steps.
+    """
+
+    def __init__(self, ctx: RunContext, meter: Meter) -> None:
+        cfg = ctx.cfg
+        self.meter = meter
+        self.steps, self.log_every = int(cfg.train.steps), int(cfg.train.log_every)
+        self.log = RunLogger(ctx.run_dir, ctx.rank, bool(cfg.run.tensorboard))
+        self.bar: Any = None
+        self.losses: list[float] = []  # this rank's losses since the last log step
+        self.held: list[Callable[[], None]] = []  # an evaluation's lines: written after its step's line
+
+    @hookimpl(tryfirst=True)
+    def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
+        write_start(context, state, self.log)
+        if context.rank == 0 and context.cfg.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True)
+
+    @hookimpl(tryfirst=True)
+    def subnetdp_on_step_end(self, context: RunContext, state: "TrainState", step: int, metrics: dict[str, Any]) -> None:
+        self.losses.append(metrics["loss"])
+        probe = {k: v for k, v in metrics.items() if k.startswith("probe/")}
+        if probe:
+            self.log.scalars(step, probe)
+            self.log.jsonl({"step": step, **probe})
+        self.log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": metrics["step_time"]}, per_rank=True)
+        if step % self.log_every == 0 or step == self.steps:
+            self._log_step(context, state, step, metrics.get("grad_norm"))  # collective: the world's mean loss
+            self.losses = []
+        self._write_held()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _log_step(self, ctx: RunContext, state: "TrainState", step: int, grad_norm: float | None) -> None:
+        """The world's mean loss since the last log step, throughput and this rank's figures. Collective."""
+        comm, cfg = ctx.comm, ctx.cfg
+        mean = torch.tensor([sum(self.losses), float(len(self.losses))], dtype=torch.float64, device=comm.device)
+        with comm.bytes.phase("log"):
+            comm.all_reduce(mean, comm.world).wait()  # collective: every rank's reporter reaches this on log steps
+        step_time = self.meter.mean_step_time(self.log_every)
+        samples_per_step = comm.world_size * int(cfg.train.batch_size) * int(cfg.train.grad_accum)
+        record = {"step": step, "train/loss": float(mean[0] / mean[1]),
+                  "train/lr": state.optimizer.param_groups[0]["lr"], "train/grad_norm": grad_norm,
+                  "train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}
+        if ctx.spec.seq_len:  # language models: tokens per second over all ranks
+            record["train/tokens_per_s"] = record["train/samples_per_s"] * ctx.spec.seq_len
+        self.log.scalars(step, {k: v for k, v in record.items() if k != "step"})
+        self.log.jsonl(record)
+        self.log.scalars(step, self.meter.rank_scalars(step), per_rank=True)
+        self.log.scalars(step, state.synchronizer.log_figures(), per_rank=True)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['train/loss']:.4f}")
+            self.bar.write(f"step {step:>6}  loss {record['train/loss']:.4f}  lr {record['train/lr']:.4g}  "
+                           f"{record['train/samples_per_s']:.0f} samples/s  {step_time * 1000:.0f} ms/step")
+
+    @hookimpl(tryfirst=True)
+    def subnetdp_on_eval_end(self, context: RunContext, step: int, metrics: dict[str, float], union: dict[str, Any],
+                             tasks: dict[str, float]) -> None:
+        own = {k: v for k, v in metrics.items() if k not in tasks}  # the union model's metrics
+
+        def write() -> None:
+            if "step" in union:  # eval.breakdown: the union at x1 and rescaled, every rank's own subnetwork
+                self.log.jsonl({"step": step, "eval_union": union})
+            if step < self.steps and context.rank == 0:  # the final evaluation is in the summary
+                from tqdm import tqdm
+
+                tqdm.write(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in own.items()))
+            self.log.scalars(step, {f"eval/{k}": v for k, v in own.items()})
+            self.log.jsonl({"step": step, **{f"eval/{k}": v for k, v in own.items()}})
+            if tasks:
+                scores = {f"lm_eval/{k}": v for k, v in tasks.items()}
+                self.log.scalars(step, scores)
+                self.log.jsonl({"step": step, **scores})
+        self.held.append(write)
+
+    @hookimpl(tryfirst=True)
+    def subnetdp_on_run_end(self, context: RunContext, result: RunResult) -> None:
+        """Writes ``summary.json`` and prints the summary table (rank 0), before other plugins hear of the end."""
+        self._write_held()
+        if self.bar is not None:
+            self.bar.close()
+        if context.rank == 0:
+            write_json(context.run_dir / "summary.json", result.summary)
+            print(format_summary(result.summary, context.run_dir), flush=True)
+        self.close()
+
+    def _write_held(self) -> None:
+        for write in self.held:
+            write()
+        self.held = []
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.log.close()
+
+
+@contextlib.contextmanager
+def reporting(ctx: RunContext, meter: Meter) -> Iterator[Reporter]:
+    """The run's :class:`Reporter`, registered on its plugin manager inside the block."""
+    reporter = Reporter(ctx, meter)
+    ctx.plugins.register(reporter, "subnetdp-reporter")
+    try:
+        yield reporter
+    finally:
+        reporter.close()
+        ctx.plugins.unregister(reporter)
+
+
+def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
+    """Config, plan and plan figure into the run directory and TensorBoard (rank 0)."""
+    if ctx.rank != 0:
+        return
+    plan, partition = state.plan, state.partition
+    yaml = config_mod.to_yaml(ctx.cfg)
+    (ctx.run_dir / "config.yaml").write_text(yaml)
+    plan_dict = plan.to_dict(partition, str(ctx.cfg.masker.group_by))
+    write_json(ctx.run_dir / "plan.json", plan_dict)
+    log.text("config", "```\n" + yaml + "\n```")
+    names = [u.name for u in partition.units]
+    log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
+    log.image("plan/ownership_matrix", plan.as_image())
+    log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"]})
+    for u, k in enumerate(plan.owner_counts()):
+        log.scalars(u, {"plan/owner_count_by_unit": k})
+
+
+def summarise(ctx: RunContext, state: "TrainState", meter: Meter, done: int, evaluation: "Evaluation | None",
+              alignment: list[dict[str, float]]) -> dict[str, Any]:
+    """The run's summary (``summary.json``): every rank's figures and the union model's. Collective."""
+    from subnetdp.parallel.apply import local_numel
+
+    bytes_per_step, wire_per_step = meter.bytes_per_step(done)
+    step_times, peak = meter.step_times, meter.peak_memory()
+    model, plan, partition, parallel, sync = state.model, state.plan, state.partition, state.parallel, state.synchronizer
+    params_held = local_numel(model)  # with FSDP: this rank's shards
+    with parallel.gathered(model):  # collective when sharded
+        digest = tensor_digest(model)
+    warm = step_times[1:] or step_times  # the first step pays one-off set-up costs
+    mine = {"rank": ctx.rank, "params_held": params_held, "peak_memory_bytes": peak,
+            "memory_measured_by": "cuda allocator" if ctx.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
+            "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
+            "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": plan.owned[ctx.rank],
+            "bytes_by_group": bytes_by_group(meter.group_bytes(), max(state.step, 1)),
+            "bytes_by_phase": meter.phase_bytes(),
+            "params_sha256": digest, **parallel.describe(), **sync.describe(),
+            "fsdp_bytes_per_step": dict(parallel.fsdp_by_kind), "sync": "dense" if sync.dense else "grouped"}
+    # collective: every rank reaches this once, after the last step.
+    ranks = ctx.comm.all_gather_object(mine)
+    if not step_times and not peak:  # resumed after the last step: nothing was measured by this job
+        for r in ranks:
+            r.update(peak_memory_bytes=None, bytes_sent_per_step=None, wire_bytes_per_step_ring=None)
+    summary = {"steps": state.step, "world_size": ctx.comm.world_size,
+               "eval": evaluation.metrics if evaluation else {}, "eval_union": evaluation.union if evaluation else {},
+               "grad_alignment": alignment,
+               "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units),
+               "num_units": plan.num_units, "plan_digest": plan.digest(), "spectral_gap": plan.spectral_gap(partition),
+               "ranks": ranks}
+    if not step_times and not peak:
+        summary["note"] = ("resumed from the checkpoint of the last step: the union model was evaluated again; "
+                           "memory, bytes and step time were measured by the job that trained it (metrics.jsonl, "
+                           "TensorBoard), not by this one")
+    summary["checkpoint"] = final_checkpoint(ctx, state.step)
+    return summary
+
+
+def final_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
+    """Where the last step's checkpoint went and its size, or why there is none."""
+    from subnetdp.train.checkpoints import files as ck
+    from subnetdp.train.checkpoints.resume import AUTO_FINAL_MIN_STEPS
+
+    path = ck.step_dir(ctx.run_dir, step)
+    if (path / ck.MANIFEST).is_file():
+        return {"path": str(path), "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}
+    cfg = ctx.cfg
+    if not cfg.checkpoint.enabled:
+        why = "checkpoint.enabled=false"
+    elif str(cfg.checkpoint.final) == "never":
+        why = "checkpoint.final=never"
+    else:
+        why = (f"a short run (checkpoint.final=auto writes one from {AUTO_FINAL_MIN_STEPS} steps, with "
+               "checkpoint.every or resume); set checkpoint.final=always to keep it")
+    return {"path": None, "bytes": 0, "why": why}
+
+
+def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
+    """The summary table printed at the end of a run."""
+    lines = [f"\nrun directory: {run_dir}"]
+    ckpt = summary.get("checkpoint") or {}
+    if ckpt.get("path"):
+        lines.append(f"final checkpoint: {ckpt['path']} ({ckpt['bytes'] / 2**20:.1f} MiB)")
+    elif ckpt:
+        lines.append(f"final checkpoint: none: {ckpt['why']}")
+    if summary.get("note"):
+        lines.append(f"note: {summary['note']}")
+    if summary["eval"]:
+        lines.append("union model: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["eval"].items()))
+    full = summary["full_model_params"]
+    units = summary.get("num_units") or 1
+    lines.append(f"{'rank':>4}  {'units':>5}  {'params held':>12}  {'of full':>7}  {'peak memory':>12}  {'bytes sent/step':>15}  {'step time':>9}")
+    for r in summary["ranks"]:
+        lines.append(f"{r['rank']:>4}  {len(r['owned_units']) / units:>5.0%}  {r['params_held']:>12,}  {r['params_held'] / full:>7.1%}  "
+                     + (f"{r['peak_memory_bytes'] / 2**20:>9.1f} MiB  " if r["peak_memory_bytes"] is not None else f"{'n/a':>13}  ")
+                     + (f"{r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  " if r["bytes_sent_per_step"] is not None else f"{'n/a':>15}  ")
+                     + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))
+    return "\n".join(lines)
+
+
+def plan_figure(owned_image: Any, unit_names: list[str], counts: list[int]) -> Any:
+    """A ranks x units heat map of the mask plan, with owner counts in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks, units = owned_image.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * units + 1.5), max(2.0, 0.35 * ranks + 1.2)))
+    ax.imshow(owned_image, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(units), unit_names, rotation=90, fontsize=7)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=7)
+    ax.set_title(f"mask plan (owners per unit: {min(counts)}..{max(counts)})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temporary name, fsync, rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,249 @@
+"""The training state of one rank: its model and everything built on it, changed only by its own methods.
+
+:class:`TrainState` owns the partition, the plan, the rank's model and parameter map, the
+parallelisms applied to it, the optimizer, the learning-rate schedule, the synchroniser, backward
+masking's refresher, the plan re-drawer and the step. Two methods change it:
+
+- :meth:`TrainState.train_step`: one optimizer step (:func:`subnetdp.train.step.train_step`);
+- :meth:`TrainState.replan`: a new plan, with the values of the pieces each rank then holds taken
+  from a :class:`PieceSource`. Every mid-run plan change goes through it: re-drawing
+  (:class:`PeerPieces`, the live owners), resuming on the same or a new plan
+  (:class:`~subnetdp.train.checkpoints.source.CheckpointPieces`, a checkpoint directory), and any
+  other source that can fill a rank's pieces (a set of files written by the surviving owners of a
+  lost worker is one).
+
+Whatever holds the model (checkpointer, meter, reporter, probes) reads it from the state when it
+needs it, so nothing is patched after a re-plan. Lifecycle hooks receive the state as a
+:class:`~subnetdp.core.contracts.TrainStateView`: properties only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol
+
+import torch
+from torch import nn
+
+from subnetdp.core.contracts import ParamMap, Partition, RunContext, TrainStateView
+from subnetdp.core.errors import SubnetdpError
+from subnetdp.core.plan import MaskPlan
+from subnetdp.parallel.apply import RankParallelism
+from subnetdp.parallel.memory import training_state_tensors
+from subnetdp.sdp.construct import build_local, empty_local, poisoned
+from subnetdp.sdp.pieces import LocalIndex
+from subnetdp.sdp.resample import Resampler, receive_from_owners
+from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
+from subnetdp.sdp.synchronizers import make_synchronizer
+from subnetdp.sdp.variants import is_backward
+from subnetdp.train.checkpoints.files import latest_checkpoint
+from subnetdp.train.optim import build_optimizer, build_schedule
+from subnetdp.train.step import StepContext, StepResult, train_step
+
+
+class Holding(NamedTuple):
+    """A rank's model under one plan: what a re-plan moves pieces out of."""
+
+    model: nn.Module
+    pmap: ParamMap
+    plan: MaskPlan
+
+
+class PieceSource(Protocol):
+    """Where a re-plan takes the values of the pieces every rank holds under the new plan."""
+
+    def load(self, state: "TrainState", previous: Optional[Holding]) -> Optional[int]:
+        """Fill ``state.model`` (every piece and buffer this rank holds under ``state.plan``) and what
+        else the source holds: optimizer state, schedule, the synchroniser's own state, data position,
+        RNG. Collective: every rank calls it, with the same kind of source.
+
+        Args:
+            state: the state, already rebuilt for the new plan when the plan changed.
+            previous: the rank's model before the change, or None when the plan stayed the same (then
+                the source loads into the model in place).
+
+        Returns:
+            The step the run continues after (a checkpoint's), or None when the step does not change.
+        """
+
+
+class PeerPieces:
+    """The live owners, over the communicator: what a re-drawn plan is filled from.
+
+    A piece a rank gains comes from its previous ``min(owners)``, broadcast piece by piece in global
+    order (:func:`subnetdp.sdp.resample.receive_from_owners`). The optimizer state starts fresh on
+    every rank and the schedule keeps its position (documented in :mod:`subnetdp.sdp.resample`).
+    """
+
+    def load(self, state: "TrainState", previous: Optional[Holding]) -> None:
+        if previous is None:
+            return None  # the same plan: every rank holds its pieces already
+        comm = state.context.comm
+        with comm.bytes.phase("redraw"):
+            # collective: every rank joins the broadcast of each piece that changes hands.
+            receive_from_owners(state.partition, LocalIndex(previous.model, previous.pmap), previous.plan,
+                                LocalIndex(state.model, state.pmap), state.plan, comm)
+        state.synchronizer.restore_extra(set())  # its own state starts from the values received
+        return None
+
+
+class TrainState(TrainStateView):
+    """One rank's training state; built by :meth:`build`, changed by :meth:`train_step` and :meth:`replan`.
+
+    Args:
+        ctx: the run context.
+        partition, plan: the model's partition and the plan the rank starts with.
+        model, pmap: the rank's model (holding its initial values) and its parameter map.
+    """
+
+    def __init__(self, ctx: RunContext, partition: Partition, plan: MaskPlan, model: nn.Module, pmap: ParamMap) -> None:
+        cfg = ctx.cfg
+        self._ctx, self._partition, self._step = ctx, partition, 0
+        self._settings = SyncSettings.from_config(cfg)
+        self._parallel = RankParallelism(cfg, ctx.comm)
+        self._guard = NonFiniteGuard(ctx.comm, str(cfg.train.on_nonfinite), self._last_good)
+        every = int(cfg.masker.resample_every)
+        self._resampler = Resampler(partition, plan, int(cfg.seed), every, str(cfg.masker.group_by)) if every > 0 else None
+        self._install(model, pmap, plan)
+
+    @classmethod
+    def build(cls, ctx: RunContext, partition: Partition, plan: MaskPlan, full: nn.Module) -> "TrainState":
+        """The state of rank ``ctx.rank``: its units and the shared tensors materialised on its device,
+        each initialised from the seed and its global name. Collective (see :meth:`_install`)."""
+        cfg = ctx.cfg
+        model, pmap = build_local(ctx.adapter, full, plan.owned[ctx.rank], partition, cfg.masker, int(cfg.seed),
+                                  ctx.comm.device)
+        return cls(ctx, partition, plan, model, pmap)
+
+    def _install(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan) -> None:
+        """Make ``model`` the trained one: parallelisms, optimizer, schedule at the current step,
+        synchroniser, refresher. Collective: FSDP's mesh (once) and the owner groups (the communicator
+        keeps them, so a re-drawn plan of the family finds its groups made)."""
+        ctx, cfg = self._ctx, self._ctx.cfg
+        self._model, self._pmap, self._plan = model, pmap, plan
+        # collective when sharded: activation checkpointing, compile and FSDP, from outside the model.
+        self._parallel.apply(model, ctx.adapter)
+        self._optimizer = build_optimizer(cfg.optim, model.parameters())
+        self._scheduler = build_schedule(cfg.optim, self._optimizer, int(cfg.train.steps), start=self._step)
+        # collective: every rank creates every owner group, in the same order.
+        self._sync = make_synchronizer(self._settings, model, pmap, plan, self._partition, ctx.comm,
+                                       sharded=self._parallel.sharding(), last_good=self._last_good)
+        self._refresher = None
+        if is_backward(cfg.masker):
+            from subnetdp.sdp.backward import Refresher
+
+            # With local steps owners disagree between synchronisations: refresh only right after one.
+            self._refresher = Refresher(model, pmap, plan, self._partition, ctx.comm,
+                                        int(cfg.masker.refresh_every) * self._settings.cycle, self._settings.bucket_cap_mb)
+
+    def _last_good(self) -> Any:
+        """The run's last good checkpoint (named when a non-finite step stops the run), or None."""
+        return latest_checkpoint(self._ctx.run_dir)
+
+    # ------------------------------------------------------------------ read-only view
+    @property
+    def context(self) -> RunContext:
+        return self._ctx
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def partition(self) -> Partition:
+        return self._partition
+
+    @property
+    def plan(self) -> MaskPlan:
+        return self._plan
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def pmap(self) -> ParamMap:
+        return self._pmap
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self._scheduler
+
+    @property
+    def synchronizer(self) -> GradSynchronizer:
+        return self._sync
+
+    @property
+    def parallel(self) -> RankParallelism:
+        return self._parallel
+
+    @property
+    def refresher(self) -> Any:
+        return self._refresher
+
+    @property
+    def resampler(self) -> Optional[Resampler]:
+        return self._resampler
+
+    # ------------------------------------------------------------------ changing it
+    def step_context(self) -> StepContext:
+        """What :func:`~subnetdp.train.step.train_step` needs of this state (read at the call)."""
+        cfg = self._ctx.cfg
+        return StepContext(model=self._model, adapter=self._ctx.adapter, sync=self._sync, optimizer=self._optimizer,
+                           guard=self._guard, scheduler=self._scheduler, refresher=self._refresher,
+                           accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
+                           autocast=self._parallel.autocast, device=self._ctx.comm.device,
+                           last_step=int(cfg.train.steps))
+
+    def train_step(self, batches: Iterator[Any], *, step: int, need_norm: bool = False,
+                   probe: Callable[[list[Any]], None] | None = None) -> StepResult:
+        """Optimizer step ``step`` (:func:`~subnetdp.train.step.train_step`); the state is then at ``step``.
+
+        Collective: the synchroniser's owner groups, the guard and (when due) local steps'
+        synchronisation and backward masking's refresh, in the step's fixed order.
+        """
+        out = train_step(self.step_context(), batches, step=step, need_norm=need_norm, probe=probe)
+        self._step = step
+        return out
+
+    def drawn_plan(self, step: int) -> Optional[MaskPlan]:
+        """``masker.resample_every``: the family's plan for the steps after ``step`` when a re-draw is
+        due there, else None. The same on every rank."""
+        r = self._resampler
+        return r.plan_at(step) if r is not None and r.due(step) else None
+
+    def lasting_tensors(self) -> list[torch.Tensor]:
+        """What lives across steps (parameters, buffers, gradients, optimizer and synchroniser state):
+        the memory baseline of a measured step."""
+        return training_state_tensors(self._model, self._optimizer, self._sync.state_tensors())
+
+    def replan(self, new_plan: MaskPlan, source: PieceSource) -> None:
+        """Continue under ``new_plan``, with every piece's values from ``source``. Collective.
+
+        The one path of every plan change. When the plan changes, the synchroniser leaves the old
+        model, the new model is built on ``meta`` and given storage filled with a value no
+        initialisation makes, the parallelisms, optimizer (fresh), schedule (at the current step),
+        synchroniser and refresher are rebuilt on it, the source fills it, and a tensor left unfilled
+        is an error. When the plan is the same (resuming on the config's plan), the source loads into
+        the model in place.
+        """
+        ctx, previous = self._ctx, None
+        if new_plan.digest() != self._plan.digest():
+            previous = Holding(self._model, self._pmap, self._plan)
+            self._sync.remove_hooks()  # the old model's gradients are nobody's business from now on
+            model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition, ctx.cfg.masker,
+                                      ctx.comm.device)
+            self._install(model, pmap, new_plan)
+        step = source.load(self, previous)  # collective: every rank takes its pieces from the source
+        if previous is not None:
+            with self._parallel.gathered(self._model):  # collective when sharded
+                unset = poisoned(self._model)
+            if unset:
+                raise SubnetdpError(f"re-planning after step {self._step} left {unset[:3]} of rank {ctx.rank}'s "
+                                    "new model unset")
+            self._model.train()
+        if step is not None:
+            self._step = step
