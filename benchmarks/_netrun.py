@@ -104,30 +104,31 @@ class SubnetdpProbe(StepProbe):
     ``finish`` (the end of backward, then the end of the gradient averaging)."""
 
     @hookimpl
-    def subnetdp_on_run_start(self, run: Any) -> None:
-        counter, add = run.comm.bytes, run.comm.bytes.add
+    def subnetdp_on_run_start(self, context: Any, state: Any) -> None:
+        counter, add = context.comm.bytes, context.comm.bytes.add
 
         def counted(group: tuple[int, ...], nbytes: int) -> None:
             self.collective(counter.current, len(group), nbytes)
             add(group, nbytes)
 
         counter.add = counted
-        finish = run.averager.finish
+        sync = state.synchronizer
+        finish = sync.finish
 
         def timed_finish() -> None:
             self.backward_end = time.perf_counter()
             finish()
             self.comm_end = time.perf_counter()
 
-        run.averager.finish = timed_finish
+        sync.finish = timed_finish
         self.t_prev = time.perf_counter()
 
     @hookimpl
-    def subnetdp_on_step_end(self, run: Any, step: int, metrics: dict[str, Any]) -> None:
+    def subnetdp_on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self.step_end(step, float(metrics["loss"]), float(metrics["step_time"]))
 
     @hookimpl
-    def subnetdp_on_eval_end(self, run: Any, step: int, metrics: dict[str, Any]) -> None:
+    def subnetdp_on_eval_end(self, step: int, metrics: dict[str, Any]) -> None:
         self.evals.append((step, {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}))
         self.evaluated = True  # evaluation is not a step's time
         self.calls = [c for c in self.calls if c[1] != "eval"]
@@ -161,15 +162,16 @@ def _sdp_rank(rank: int, spec: dict[str, Any], store: str, run_dir: str) -> dict
     pm = PluginManager(extra=[probe])
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = train(cfg, LaunchEnv(rank, spec["world_size"], rank, spec["world_size"], "benchmark"), pm)
-    mine = run.summary["ranks"][rank] if rank < len(run.summary.get("ranks", [])) else {}
+        _, state, result = train(cfg, LaunchEnv(rank, spec["world_size"], rank, spec["world_size"], "benchmark"), pm)
+    summary = result.summary
+    mine = summary["ranks"][rank] if rank < len(summary.get("ranks", [])) else {}
     return {"steps": probe.steps, "evals": probe.evals, "owner_groups": len(mine.get("bytes_by_group", {})),
             "summary_rank": {k: mine.get(k) for k in ("bytes_sent_per_step", "wire_bytes_per_step_ring",
                                                       "bytes_by_group", "bytes_by_phase", "params_held",
                                                       "step_time_s", "sync_mode")},
-            "eval": run.summary.get("eval"), "owner_sets": len(run.plan.owner_sets()),
-            "dense": bool(getattr(_inner(run.averager), "dense", False)),
-            "buckets": _bucket_counts(run.averager), "bucket_rule": _bucket_rule()}
+            "eval": summary.get("eval"), "owner_sets": len(state.plan.owner_sets()),
+            "dense": bool(getattr(_inner(state.synchronizer), "dense", False)),
+            "buckets": _bucket_counts(state.synchronizer), "bucket_rule": _bucket_rule()}
 
 
 def _bucket_rule() -> str:
@@ -203,7 +205,7 @@ def _ddp_rank(rank: int, spec: dict[str, Any], store: str, run_dir: str) -> dict
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from subnetdp.train.checkpoints.resume import seed_host_rngs
+    from subnetdp.train.checkpoints.source import seed_host_rngs
     from subnetdp.train.optim import build_optimizer, build_schedule
 
     cfg, pm = _config(spec, store, run_dir)

@@ -109,7 +109,7 @@ def flop_ratio(task: str, overrides: list[str], cache: str) -> float:
     from subnetdp.core.config import compose
     from subnetdp.core.plugins import PluginManager
     from subnetdp.sdp.variants import local_model
-    from subnetdp.train.loop import build_plan
+    from subnetdp.train.setup import build_plan
 
     t, pm = TASKS[task], PluginManager()
     out = []

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.sdp.construct import build_local
 from subnetdp.sdp.sync import OwnerGroupAverager
-from subnetdp.train.loop import build_plan
+from subnetdp.train.setup import build_plan
 from tests.helpers import plugin_manager, small_config
 
 ddp_rule = pytest.mark.skipif(not hasattr(dist, "_compute_bucket_assignment_by_size"),
