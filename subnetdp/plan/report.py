@@ -94,6 +94,8 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     if shard > 1:
         report["fsdp_shard_size"] = shard
     report["failures"] = failure_tolerance(cfg, pm, partition, plan.replicas(shard))
+    if estimate:
+        report["flops"] = flop_report(cfg, adapter, spec, partition, plan.replicas(shard), data)
     estimator = estimator_for(cfg)
     cache: dict[tuple, dict[str, Any]] = {}
     batch = data.example_batch(spec, int(cfg.train.batch_size)) if estimate else None
@@ -133,6 +135,26 @@ def failure_tolerance(cfg: DictConfig, pm: Any, partition: Partition, replicas: 
         masker = pm.registries["masker"].create(cfg.masker.name, cfg.masker)
         out["coverage_for_one"] = smallest_coverage(masker, partition, replicas.world_size, int(cfg.seed), 2)
     return out
+
+
+def flop_report(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
+                data: DataModule) -> dict[str, Any]:
+    """The plan's training FLOPs against the full model's (counted on ``meta``), and the step count
+    that matches ``train.steps`` steps of the full model in FLOPs."""
+    from subnetdp.sdp.construct import meta_model
+    from subnetdp.sdp.flops import plan_flops
+
+    ratios = plan_flops(adapter, meta_model(adapter, spec), partition, plan, cfg.masker,
+                        data.example_batch(spec, int(cfg.train.batch_size)))
+    steps = int(cfg.train.steps)
+    return {**ratios.to_dict(), "steps": steps, "flop_matched_steps": ratios.matched_steps(steps)}
+
+
+def flop_line(report: dict[str, Any]) -> str:
+    f = report["flops"]
+    return (f"FLOPs per training step (forward + backward of one micro-batch, counted on meta): "
+            f"{f['train_step']:.3f} x the full model's on the mean rank (forward alone {f['forward']:.3f}); "
+            f"train.steps={f['steps']} matches the full model's training FLOPs at {f['flop_matched_steps']} steps")
 
 
 def failure_line(report: dict[str, Any]) -> str:
@@ -232,6 +254,8 @@ def format_report(report: dict[str, Any]) -> str:
     if "fsdp_shard_size" in report:
         lines.append(f"fsdp.shard_size={report['fsdp_shard_size']}: ranks r*S..r*S+S-1 form replica r and shard "
                      "its subnetwork with FSDP2 (estimated params and memory: this rank's shards); the plan above is the replicas' plan, repeated for each shard")
+    if "flops" in report:
+        lines.append(flop_line(report))
     if "peak_memory_bytes" in report["ranks"][0]:
         lines.append(f"peak memory: tensors of one training step (dry run under FakeTensorMode, {report['dry_runs']} "
                      "distinct subnetwork shape(s) dry-run); communication libraries' own buffers are not included")
