@@ -75,6 +75,16 @@ class MaskPlan:
     def owner_counts(self) -> list[int]:
         return [len(o) for o in self._owners]
 
+    def failures_survived(self) -> int:
+        """How many ranks may die at once, whichever they are, with every unit still held by a survivor.
+
+        ``min_u k(u) - 1``: the unit with the fewest owners is lost once all of them die. Shared
+        tensors are held by every rank, so only the units count. (A dead rank's data position and RNG
+        are recomputed from the step, so they never limit this.)
+        """
+        counts = self.owner_counts()
+        return (min(counts) if counts else self.world_size) - 1
+
     # ---------------------------------------------------------------- validation
     def validate(self, min_owners: int = 1, names: Sequence[str] | None = None,
                  hint: Callable[[], str] | None = None) -> None:
@@ -272,20 +282,30 @@ def _is_valid(plan: MaskPlan, min_owners: int) -> bool:
     return all(plan.k(u) >= min_owners for u in range(plan.num_units))
 
 
-def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int) -> str:
-    """The smallest coverage, and the smallest world size, for which the masker covers every unit."""
+def smallest_coverage(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int,
+                      above: float = 0.0) -> float | None:
+    """The smallest ``masker.coverage`` above ``above`` whose plan gives every unit ``min_owners`` owners
+    at ``world_size`` ranks (None if none does). Candidates are the coverages the masker can tell apart:
+    ``n / K_g`` for every group of ``K_g`` units."""
     import copy
 
-    requested = float(masker.cfg.coverage)
     groups = group_units(partition, str(masker.cfg.group_by))
-    candidates = sorted({n / len(g) for g in groups.values() for n in range(1, len(g) + 1) if n / len(g) > requested})
-    hints = []
+    candidates = sorted({n / len(g) for g in groups.values() for n in range(1, len(g) + 1) if n / len(g) > above})
     for c in candidates:
         cfg = copy.deepcopy(masker.cfg)
         cfg.coverage = c
         if _is_valid(type(masker)(cfg).plan(partition, world_size, seed), min_owners):
-            hints.append(f"the smallest masker.coverage that works with {world_size} ranks is {c:.4g}")
-            break
+            return c
+    return None
+
+
+def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int) -> str:
+    """The smallest coverage, and the smallest world size, for which the masker covers every unit."""
+    requested = float(masker.cfg.coverage)
+    hints = []
+    c = smallest_coverage(masker, partition, world_size, seed, min_owners, above=requested)
+    if c is not None:
+        hints.append(f"the smallest masker.coverage that works with {world_size} ranks is {c:.4g}")
     for w in range(world_size + 1, 16 * world_size + 1):
         if _is_valid(masker.plan(partition, w, seed), min_owners):
             hints.append(f"masker.coverage={requested:g} works from {w} ranks on")

@@ -93,6 +93,9 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     shard = int(cfg.fsdp.shard_size)
     if shard > 1:
         report["fsdp_shard_size"] = shard
+    report["failures"] = failure_tolerance(cfg, pm, partition, plan.replicas(shard))
+    if estimate:
+        report["flops"] = flop_report(cfg, adapter, spec, partition, plan.replicas(shard), data)
     estimator = estimator_for(cfg)
     cache: dict[tuple, dict[str, Any]] = {}
     batch = data.example_batch(spec, int(cfg.train.batch_size)) if estimate else None
@@ -116,6 +119,60 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     # Every step waits for the slowest rank: the mean over the max is the share of compute not idle.
     report["cost_balance"] = (sum(costs) / len(costs)) / max(costs) if max(costs) > 0 else 1.0
     return report
+
+
+def failure_tolerance(cfg: DictConfig, pm: Any, partition: Partition, replicas: MaskPlan) -> dict[str, Any]:
+    """How many ranks (replicas, with FSDP) may die at once with every unit still held by a survivor,
+    the units that would be lost first, and the smallest ``masker.coverage`` that survives one failure
+    at this world size (recovery from the surviving owners needs every unit on two ranks)."""
+    from subnetdp.core.plan import smallest_coverage
+
+    survived = replicas.failures_survived()
+    fewest = min(replicas.owner_counts(), default=replicas.world_size)
+    out: dict[str, Any] = {"survived": survived, "weakest_units": [
+        partition.units[u].name for u in range(replicas.num_units) if replicas.k(u) == fewest][:8]}
+    if not list(cfg.masker.capacity) and replicas.world_size > 1:  # per-rank capacities have no one coverage to name
+        masker = pm.registries["masker"].create(cfg.masker.name, cfg.masker)
+        out["coverage_for_one"] = smallest_coverage(masker, partition, replicas.world_size, int(cfg.seed), 2)
+    return out
+
+
+def flop_report(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,
+                data: DataModule) -> dict[str, Any]:
+    """The plan's training FLOPs against the full model's (counted on ``meta``), and the step count
+    that matches ``train.steps`` steps of the full model in FLOPs."""
+    from subnetdp.sdp.construct import meta_model
+    from subnetdp.sdp.flops import plan_flops
+
+    ratios = plan_flops(adapter, meta_model(adapter, spec), partition, plan, cfg.masker,
+                        data.example_batch(spec, int(cfg.train.batch_size)))
+    steps = int(cfg.train.steps)
+    return {**ratios.to_dict(), "steps": steps, "flop_matched_steps": ratios.matched_steps(steps)}
+
+
+def flop_line(report: dict[str, Any]) -> str:
+    f = report["flops"]
+    return (f"FLOPs per training step (forward + backward of one micro-batch, counted on meta): "
+            f"{f['train_step']:.3f} x the full model's on the mean rank (forward alone {f['forward']:.3f}); "
+            f"train.steps={f['steps']} matches the full model's training FLOPs at {f['flop_matched_steps']} steps")
+
+
+def failure_line(report: dict[str, Any]) -> str:
+    """``failures: ...``: what the plan survives, and the coverage that survives one failure."""
+    f = report["failures"]
+    who = "replicas" if "fsdp_shard_size" in report else "ranks"
+    if f["survived"] > 0:
+        text = (f"failures: survives any {f['survived']} of {report['world_size'] // report.get('fsdp_shard_size', 1)} "
+                f"{who} dying at once: every unit keeps an owner (each has at least {f['survived'] + 1})")
+    else:
+        text = (f"failures: one dead rank can take units no other rank holds ({', '.join(f['weakest_units'])}"
+                f"{', ...' if len(f['weakest_units']) == 8 else ''})")
+    c = f.get("coverage_for_one")
+    if c is not None:
+        text += f"; the smallest masker.coverage that survives one failure here is {c:.4g} (with masker.min_owners=2)"
+    elif "coverage_for_one" in f:
+        text += "; no masker.coverage below 1 survives one failure at this world size"
+    return text
 
 
 GAP_NOTE = ("  (components: groups of ranks linked by the units they own together; spectral gap, 0 to 1: "
@@ -190,13 +247,15 @@ def format_report(report: dict[str, Any]) -> str:
              f"({report['sync']} sync, "
              f"sync.max_groups={report['max_groups']})",
              f"rank graph: {report['components']} connected component(s); spectral gap {report['spectral_gap']:.4f}",
-             GAP_NOTE, ""]
+             GAP_NOTE, failure_line(report), ""]
     lines += rank_table(report)
     lines.append(f"cost balance (mean / slowest rank's cost: every step waits for the slowest rank): "
                  f"{report['cost_balance']:.3f}")
     if "fsdp_shard_size" in report:
         lines.append(f"fsdp.shard_size={report['fsdp_shard_size']}: ranks r*S..r*S+S-1 form replica r and shard "
                      "its subnetwork with FSDP2 (estimated params and memory: this rank's shards); the plan above is the replicas' plan, repeated for each shard")
+    if "flops" in report:
+        lines.append(flop_line(report))
     if "peak_memory_bytes" in report["ranks"][0]:
         lines.append(f"peak memory: tensors of one training step (dry run under FakeTensorMode, {report['dry_runs']} "
                      "distinct subnetwork shape(s) dry-run); communication libraries' own buffers are not included")

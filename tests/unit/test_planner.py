@@ -10,7 +10,7 @@ from subnetdp.core.config import config_root
 from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.train.setup import build_plan
-from subnetdp.plan.report import plan_report, shape_plan
+from subnetdp.plan.report import format_report, plan_report, shape_plan
 from tests.helpers import plugin_manager, small_config
 
 RECIPES = sorted(p.stem for p in (config_root() / "recipes").glob("*.yaml"))
@@ -100,3 +100,24 @@ def test_capacity_plans_keep_every_unit_owned_and_are_checked_by_name():
     with pytest.raises(ConfigError, match="masker.capacity"):
         _tiny("masker.name=balanced", "masker.capacity=[0.5,0.5]")
     assert main(["plan", "llama_tiny_stdlib", "-n", "3", "masker.capacity=[0.5,2]"]) == 2
+
+
+@pytest.mark.parametrize("coverage, world, survived", [(1.0, 4, 3), (0.5, 4, 1), (0.5, 2, 0)])
+def test_plan_reports_the_failures_it_survives_and_the_coverage_for_one(coverage, world, survived):
+    cfg = _tiny(f"masker.coverage={coverage}")
+    report = plan_report(cfg, world, plugin_manager(), estimate=False)
+    counts = [len(u["owners"]) for u in report["units"]]
+    assert report["failures"]["survived"] == min(counts) - 1 == survived
+    # The smallest coverage for one failure is the first of the masker's coverages whose plan puts
+    # every unit on two ranks: the one found plans so, and no smaller candidate does.
+    found = report["failures"]["coverage_for_one"]
+    assert found is not None
+    one = plan_report(_tiny(f"masker.coverage={found}"), world, plugin_manager(), estimate=False)
+    assert one["failures"]["survived"] >= 1
+    if found > 0.25:
+        below = plan_report(_tiny(f"masker.coverage={found - 0.25}"), world, plugin_manager(), estimate=False)
+        assert below["failures"]["survived"] == 0
+    text = format_report(report)
+    line = next(x for x in text.splitlines() if x.startswith("failures:"))
+    assert (f"survives any {survived} of {world} ranks" in line) == (survived > 0)
+    assert f"survives one failure here is {found:.4g}" in line
