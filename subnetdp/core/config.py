@@ -67,6 +67,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = doc('optimizer steps', 100, lo=1)
+    flop_matched: bool = doc("train round(train.steps / r) steps instead, r = the plan's training FLOPs per step "
+                             "over the full model's (subnetdp plan shows both): the compute of train.steps "
+                             "full-model steps, the schedule stretched to span them", False)
     batch_size: int = doc('batch size per rank (per micro-batch)', 32, lo=1)
     grad_accum: int = doc('micro-batches per optimizer step', 1, lo=1)
     precision: str = doc("fp32 or bf16 (autocast; FSDP2's MixedPrecisionPolicy when sharded)", "fp32",

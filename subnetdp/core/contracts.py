@@ -723,6 +723,8 @@ class RunContext:
         run_dir: ``run.dir/run.name``.
         lock: rank 0's hold on ``run_dir`` (one job per run directory), None on other ranks.
         tasks: ``eval.tasks``: the lm-eval tasks, loaded with their data at set-up; else None.
+        flop_match: ``train.flop_matched``: the steps asked for, the steps trained (``cfg.train.steps``)
+            and the plan's training-FLOP ratio; else None.
     """
 
     cfg: "DictConfig"
@@ -735,6 +737,7 @@ class RunContext:
     run_dir: Path
     lock: Any = None
     tasks: Any = None
+    flop_match: Optional[dict] = None
 
     @property
     def rank(self) -> int:

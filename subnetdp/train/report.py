@@ -261,6 +261,8 @@ def summarise(ctx: RunContext, state: "TrainState", meter: Meter, done: int, eva
         summary["note"] = ("resumed from the checkpoint of the last step: the union model was evaluated again; "
                            "memory, bytes and step time were measured by the job that trained it (metrics.jsonl, "
                            "TensorBoard), not by this one")
+    if ctx.flop_match is not None:  # train.flop_matched: the steps asked for and the steps trained
+        summary["flop_matched"] = dict(ctx.flop_match)
     summary["checkpoint"] = final_checkpoint(ctx, state.step)
     return summary
 

@@ -102,6 +102,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> tuple[RunContex
         raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
                           "use comm.name=nccl for GPUs")
     data, spec, adapter, full, partition, plan = build_plan(cfg, env.world_size, pm)
+    flop_match = match_flops(cfg, adapter, spec, full, partition, plan, data)  # train.flop_matched
     if cfg.train.compile:
         from subnetdp.parallel.compile import require_compilable
 
@@ -116,10 +117,27 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> tuple[RunContex
     frozen = copy.deepcopy(cfg)  # the caller keeps its own config; the run's cannot change under it
     OmegaConf.set_readonly(frozen, True)
     ctx = RunContext(cfg=frozen, env=env, comm=comm, plugins=pm, adapter=adapter, data=data, spec=spec,
-                     run_dir=run_dir, lock=lock, tasks=tasks)
+                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
     # mesh (when sharded) and the synchroniser's owner groups are created on every rank.
     return ctx, TrainState.build(ctx, partition, plan, full)
+
+
+def match_flops(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, full: torch.nn.Module, partition: Partition,
+                plan: MaskPlan, data: DataModule) -> dict[str, Any] | None:
+    """``train.flop_matched``: set ``train.steps`` to the step count whose training FLOPs equal
+    ``train.steps`` steps of the full model, ``round(steps / r)`` with ``r`` the plan's training-FLOP
+    ratio counted on ``meta`` (:mod:`subnetdp.sdp.flops`; the same on every rank and in ``subnetdp
+    plan``). Everything that follows the step count (the schedule, checkpoints, the end) then spans
+    the new count. Returns what the summary records, or None."""
+    if not cfg.train.flop_matched:
+        return None
+    from subnetdp.sdp.flops import plan_flops
+
+    ratios = plan_flops(adapter, full, partition, plan, cfg.masker, data.example_batch(spec, int(cfg.train.batch_size)))
+    requested = int(cfg.train.steps)
+    OmegaConf.update(cfg, "train.steps", ratios.matched_steps(requested))
+    return {"steps_requested": requested, "steps": int(cfg.train.steps), "train_flop_ratio": ratios.train_step}
 
 
 def check_ranks_agree(comm: Communicator, plan: MaskPlan, cfg: DictConfig, pm: PluginManager) -> None:
