@@ -154,7 +154,8 @@ def flop_line(report: dict[str, Any]) -> str:
     f = report["flops"]
     return (f"FLOPs per training step (forward + backward of one micro-batch, counted on meta): "
             f"{f['train_step']:.3f} x the full model's on the mean rank (forward alone {f['forward']:.3f}); "
-            f"train.steps={f['steps']} matches the full model's training FLOPs at {f['flop_matched_steps']} steps")
+            f"train.steps={f['steps']} matches the full model's training FLOPs at {f['flop_matched_steps']} steps "
+            "(train.flop_matched=true trains that many)")
 
 
 def failure_line(report: dict[str, Any]) -> str:

@@ -118,6 +118,7 @@ FROZEN_API: dict[str, list[str]] = {
         "cost_per_rank(self, partition: 'Partition') -> 'list[float]'",
         "digest(self) -> 'str'",
         "effective_coverage(self, partition: 'Partition', group_by: 'str' = 'auto') -> 'dict[str, list[float]]'",
+        "failures_survived(self) -> 'int'",
         'from_dict(cls, d: \'dict\') -> "\'MaskPlan\'"',
         "k(self, unit: 'int') -> 'int'",
         "mixing_matrix(self, partition: 'Partition') -> 'np.ndarray'",
@@ -195,7 +196,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'RunContext': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None, flop_match: \'Optional[dict]\' = None) -> None',
         'rank: property',
         'world_size: property',
     ],
