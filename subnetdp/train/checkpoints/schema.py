@@ -38,5 +38,7 @@ MANIFEST = Record(
      "pieces": MapOf(Str(), PIECE)},
     optional={"fsdp_shard_size": Int(1), "partition_digest": Str(), "config_digest": Str(),
               "partition": Record({}, optional={"granularity": Str(), "units": Int(0), "units_per_layer": Int(0)}),
-              "reference": Nullable(MapOf(Str(), Anything()))},
+              "reference": Nullable(MapOf(Str(), Anything())),
+              # a checkpoint assembled from the survivors' files: the ranks that wrote none, and those that did
+              "absent_ranks": ListOf(Int(0)), "recovered_from": ListOf(Int(0))},
 )
