@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
 from typing import Sequence
 
-from subnetdp.core.errors import SubnetdpError
+from subnetdp.core.errors import PeerLost, SubnetdpError
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -385,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.message:
             print(f"subnetdp: {e.message}", file=sys.stderr, flush=True)
         return e.exit_code
+    except PeerLost as e:  # the survivor's files are written: leave now, without waiting on the dead peer
+        print(f"subnetdp: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)  # interpreter exit would wait on the failed collectives' work objects
     except SubnetdpError as e:
         print(f"subnetdp: error: {e}", file=sys.stderr, flush=True)
         return 2

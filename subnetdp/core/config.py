@@ -149,6 +149,8 @@ class CheckpointConfig:
     final: str = doc('auto, always or never: the checkpoint after the last step (auto: when checkpoint.every > 0, resume is not never, or train.steps >= 1000)', "auto",
                      choices=("auto", "always", "never"),
                      fix="auto writes the final checkpoint for long or resumable runs (docs/checkpoints.md)")
+    survivors: bool = doc("when a peer dies, every survivor writes its units as of its last finished step, so a "
+                          "restart with resume=auto loses no finished step (docs/checkpoints.md)", True)
 
 
 @dataclass

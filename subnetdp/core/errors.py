@@ -40,6 +40,18 @@ class CheckpointError(SubnetdpError):
     """A checkpoint is missing, incomplete, corrupted, foreign or incompatible with this run."""
 
 
+class PeerLost(SubnetdpError):
+    """A collective failed because a peer died or stopped answering (``lost``: their ranks, when known).
+
+    The training loop answers it by writing this rank's units as of its last finished step (recovery
+    from the surviving owners) before it exits.
+    """
+
+    def __init__(self, message: str, lost: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.lost = sorted(lost)
+
+
 class NonFiniteError(SubnetdpError):
     """The loss or the gradients became inf or NaN (``train.on_nonfinite=stop``)."""
 

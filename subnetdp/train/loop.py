@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from omegaconf import DictConfig
 
 from subnetdp.core.contracts import LaunchEnv, RunContext, RunResult
+from subnetdp.core.errors import PeerLost
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
 from subnetdp.train.checkpoints.resume import Checkpointer
@@ -59,49 +60,57 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     # After set-up, whose lazy imports may draw from them (rich, via scikit-learn, does); a resume restores them.
     seed_host_rngs(int(cfg.seed))
     first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
+    if first > 1:
+        ckpt.mark_finished(first - 1)
     batches = (_to_device(b, comm.device) for b in loader)
     meter = Meter(comm, state.parallel, first, steps, int(cfg.train.memory_step))
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
     evaluation: Evaluation | None = None
     with reporting(ctx, meter):  # the built-in reporter: progress, log lines, TensorBoard, summary.json
-        hook.subnetdp_on_run_start(context=ctx, state=state)
-        if stopper is not None:
-            stopper.armed = True  # from here a signal stops the run at the next step boundary
-        state.model.train()
-        for step in range(first, steps + 1):
-            log_step = step % int(cfg.train.log_every) == 0 or step == steps
-            state.synchronizer.prepare()  # drops the last step's gradients: before the memory baseline is taken
-            with meter.step(step, state.lasting_tensors):
-                # collective: owner groups average the gradients, the guard, and (when due) local steps'
-                # synchronisation and backward masking's refresh, in the step's fixed order.
-                out = state.train_step(batches, step=step, need_norm=log_step, probe=probe.at(step))
-                redrawn = state.drawn_plan(step)  # masker.resample_every
-                if redrawn is not None and step < steps:
-                    # collective: every rank re-draws the same plan and receives the pieces it gains.
-                    state.replan(redrawn, PeerPieces())
-            metrics = {"loss": float(out.loss), "lr": state.optimizer.param_groups[0]["lr"],
-                       "step_time": meter.last_step_time, "grad_norm": out.grad_norm, **probe.figures(step)}
-            if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
-                evaluation = evaluate_run(ctx, state, step)  # collective: the union model streams through every rank
-                hook.subnetdp_on_eval_end(context=ctx, state=state, step=step, metrics=evaluation.metrics,
+        try:
+            hook.subnetdp_on_run_start(context=ctx, state=state)
+            if stopper is not None:
+                stopper.armed = True  # from here a signal stops the run at the next step boundary
+            state.model.train()
+            for step in range(first, steps + 1):
+                log_step = step % int(cfg.train.log_every) == 0 or step == steps
+                state.synchronizer.prepare()  # drops the last step's gradients: before the memory baseline is taken
+                with meter.step(step, state.lasting_tensors):
+                    # collective: owner groups average the gradients, the guard, and (when due) local steps'
+                    # synchronisation and backward masking's refresh, in the step's fixed order.
+                    out = state.train_step(batches, step=step, need_norm=log_step, probe=probe.at(step))
+                    ckpt.mark_finished(step)  # what a survivor's files need of the last finished step
+                    redrawn = state.drawn_plan(step)  # masker.resample_every
+                    if redrawn is not None and step < steps:
+                        # collective: every rank re-draws the same plan and receives the pieces it gains.
+                        state.replan(redrawn, PeerPieces())
+                metrics = {"loss": float(out.loss), "lr": state.optimizer.param_groups[0]["lr"],
+                           "step_time": meter.last_step_time, "grad_norm": out.grad_norm, **probe.figures(step)}
+                if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
+                    evaluation = evaluate_run(ctx, state, step)  # collective: the union model streams through every rank
+                    hook.subnetdp_on_eval_end(context=ctx, state=state, step=step, metrics=evaluation.metrics,
+                                              union=evaluation.union, tasks=evaluation.tasks)
+                # collective on log steps: every rank's reporter adds up the world's losses.
+                hook.subnetdp_on_step_end(context=ctx, state=state, step=step, metrics=metrics)
+                ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
+                if stopper is not None and step < steps:
+                    who = stopper.agreed(comm)  # collective: every rank reaches this at the end of every step
+                    if who:
+                        _stop(ctx, ckpt, step, who)
+            if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
+                evaluation = evaluate_run(ctx, state, steps)  # collective
+                hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,
                                           union=evaluation.union, tasks=evaluation.tasks)
-            # collective on log steps: every rank's reporter adds up the world's losses.
-            hook.subnetdp_on_step_end(context=ctx, state=state, step=step, metrics=metrics)
-            ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
-            if stopper is not None and step < steps:
-                who = stopper.agreed(comm)  # collective: every rank reaches this at the end of every step
-                if who:
-                    _stop(ctx, ckpt, step, who)
-        if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
-            evaluation = evaluate_run(ctx, state, steps)  # collective
-            hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,
-                                      union=evaluation.union, tasks=evaluation.tasks)
-        # collective: every rank's figures are gathered into the summary.
-        summary = summarise(ctx, state, meter, max(1, steps - first + 1), evaluation, probe.records)
-        result = RunResult(summary=summary, eval_metrics=evaluation.metrics if evaluation else {},
-                           eval_union=evaluation.union if evaluation else {}, alignment=list(probe.records),
-                           step=state.step)
-        hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
+            # collective: every rank's figures are gathered into the summary.
+            summary = summarise(ctx, state, meter, max(1, steps - first + 1), evaluation, probe.records)
+            result = RunResult(summary=summary, eval_metrics=evaluation.metrics if evaluation else {},
+                               eval_union=evaluation.union if evaluation else {}, alignment=list(probe.records),
+                               step=state.step)
+            hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
+        except PeerLost as lost:
+            # A peer died or stopped answering: keep this rank's units as of its last finished step
+            # (no collective), so a restart resumes there rather than at the newest checkpoint.
+            raise ckpt.survive(lost) from None
     return result
 
 

@@ -35,9 +35,9 @@ from subnetdp.sdp.resample import Resampler, receive_from_owners
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
 from subnetdp.sdp.synchronizers import make_synchronizer
 from subnetdp.sdp.variants import is_backward
-from subnetdp.train.checkpoints.files import latest_checkpoint
+from subnetdp.train.checkpoints.files import latest_checkpoint, step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
-from subnetdp.train.step import StepContext, StepResult, train_step
+from subnetdp.train.step import StepContext, StepProgress, StepResult, train_step
 
 
 class Holding(NamedTuple):
@@ -98,6 +98,7 @@ class TrainState(TrainStateView):
     def __init__(self, ctx: RunContext, partition: Partition, plan: MaskPlan, model: nn.Module, pmap: ParamMap) -> None:
         cfg = ctx.cfg
         self._ctx, self._partition, self._step = ctx, partition, 0
+        self._progress = StepProgress()
         self._settings = SyncSettings.from_config(cfg)
         self._parallel = RankParallelism(cfg, ctx.comm)
         self._guard = NonFiniteGuard(ctx.comm, str(cfg.train.on_nonfinite), self._last_good)
@@ -196,7 +197,7 @@ class TrainState(TrainStateView):
                            guard=self._guard, scheduler=self._scheduler, refresher=self._refresher,
                            accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
                            autocast=self._parallel.autocast, device=self._ctx.comm.device,
-                           last_step=int(cfg.train.steps))
+                           last_step=int(cfg.train.steps), fault=step_faults(self._ctx.rank, self._ctx.run_dir))
 
     def train_step(self, batches: Iterator[Any], *, step: int, need_norm: bool = False,
                    probe: Callable[[list[Any]], None] | None = None) -> StepResult:
@@ -205,9 +206,15 @@ class TrainState(TrainStateView):
         Collective: the synchroniser's owner groups, the guard and (when due) local steps'
         synchronisation and backward masking's refresh, in the step's fixed order.
         """
-        out = train_step(self.step_context(), batches, step=step, need_norm=need_norm, probe=probe)
+        out = train_step(self.step_context(), batches, step=step, need_norm=need_norm, probe=probe,
+                         progress=self._progress)
         self._step = step
         return out
+
+    @property
+    def progress(self) -> StepProgress:
+        """How far the step in progress got (read when a peer is lost in the middle of it)."""
+        return self._progress
 
     def drawn_plan(self, step: int) -> Optional[MaskPlan]:
         """``masker.resample_every``: the family's plan for the steps after ``step`` when a re-draw is

@@ -29,6 +29,20 @@ class StepResult:
     updated: bool  # False when the guard skipped a non-finite step
 
 
+@dataclass
+class StepProgress:
+    """How far the step in progress got: what recovery from the survivors needs when a peer dies in it.
+
+    ``updated``: this rank applied the step's optimizer update (and stepped the schedule);
+    ``settled``: and every collective that changes its parameters after the update (local steps'
+    synchronisation) completed, so the values it holds are the step's final ones.
+    """
+
+    step: int = 0
+    updated: bool = False
+    settled: bool = False
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What a step works with: made by the training state for the loop, by each dry run for its own.
@@ -47,6 +61,8 @@ class StepContext:
         autocast: the forward's autocast context.
         device: where the loss is summed.
         last_step: the run's last step (``train.steps``): local steps synchronise there whatever the cycle.
+        fault: test-only: called with ``"sync"`` before the averaging completes and ``"update"``
+            after the update (real kills at those moments); None in every real run.
     """
 
     model: torch.nn.Module
@@ -61,10 +77,11 @@ class StepContext:
     autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     device: torch.device | None = None
     last_step: int = 0
+    fault: Callable[[str, int], None] | None = None  # test-only fault injection (``sync``, ``update``)
 
 
 def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm: bool = False,
-               probe: Callable[[list[Any]], None] | None = None) -> StepResult:
+               probe: Callable[[list[Any]], None] | None = None, progress: StepProgress | None = None) -> StepResult:
     """One optimizer step of this rank: forward and backward of ``ctx.accum`` micro-batches, averaging, update.
 
     Call ``ctx.sync.prepare()`` first (it drops the last step's gradients, so a memory baseline taken
@@ -77,8 +94,11 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
         need_norm: compute the gradient norm even without clipping (log steps show it).
         probe: called with the step's micro-batches after averaging and before the update (the
             gradient-alignment probe, ``train.grad_alignment_every``), or None.
+        progress: updated as the step passes its update (recovery reads it when a collective fails).
     """
     sync, guard, accum = ctx.sync, ctx.guard, ctx.accum
+    progress = progress if progress is not None else StepProgress()
+    progress.step, progress.updated, progress.settled = step, False, False
     loss_sum = torch.zeros((), device=ctx.device)
     seen: list[Any] = []
     for micro in range(accum):
@@ -93,6 +113,8 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
             if last:
                 guard.carry(sync, loss_sum)  # the loss's inf/NaN flag travels with the gradients
             loss.backward()
+    if ctx.fault is not None:
+        ctx.fault("sync", step)
     sync.finish()  # collective: owner groups average this step's gradients
     if probe is not None:
         probe(seen)  # collective: every rank reaches the probe on the same steps
@@ -102,10 +124,14 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
     if finite:
         guard.clip(sync, norm, ctx.clip)
         ctx.optimizer.step()
+    if ctx.fault is not None:
+        ctx.fault("update", step)
     if ctx.scheduler is not None:
         ctx.scheduler.step()
+    progress.updated = True  # the commit point is behind: every rank contributed to the last world collective
     # collective when due: local steps' owners average their parameter deltas and the outer optimizer steps.
     sync.after_update(step, ctx.last_step)
+    progress.settled = True
     if ctx.refresher is not None and ctx.refresher.due(step):
         comm = ctx.refresher.comm
         with comm.bytes.phase("refresh"):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from subnetdp.core.contracts import Communicator, Handle
-from subnetdp.core.errors import SubnetdpError
+from subnetdp.core.errors import PeerLost, SubnetdpError
 from subnetdp.launchers import rendezvous
 
 
@@ -40,24 +40,59 @@ def _is_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or "deadline" in text
 
 
-#: What gloo and NCCL say when a peer's process is gone (killed, crashed, or its node left the job).
-PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited")
+#: What gloo, NCCL and the TCP store say when the process at the other end is gone (killed, crashed, its node left).
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+             "socket closed", "end of file", "remote process exited")
 
 
 def _is_peer_gone(error: BaseException) -> bool:
     text = str(error).lower()
-    return any(words in text for words in PEER_GONE)
+    return any(p in text for p in PEER_GONE)
 
 
-def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float) -> list[int]:
-    """The members of a timed-out collective that never reported timing out themselves.
+HOST_KEY = "subnetdp/process"  # + /<rank>: "host pid" of every rank, written when the group is made
 
-    Every member that times out writes ``key/<rank>`` into the world's store; a member that does not
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def dead_on_this_host(store: Any, members: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(members known dead, members on other hosts) from the processes every rank registered."""
+    me, dead, elsewhere = os.uname().nodename, [], []
+    for r in members:
+        try:
+            host, pid = store.get(f"{HOST_KEY}/{r}").decode().split()
+        except Exception:  # not registered (an older peer) or the store is gone: unknown
+            elsewhere.append(r)
+            continue
+        if host != me:
+            elsewhere.append(r)
+        elif not _process_alive(int(pid)):
+            dead.append(r)
+    return dead, elsewhere
+
+
+def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float,
+                  candidates: Sequence[int] | None = None) -> list[int]:
+    """The members of a failed collective that never reported the failure themselves.
+
+    Every member that sees it writes ``key/<rank>`` into the world's store; a member that does not
     within ``grace`` seconds was not waiting in the collective: it is the one that stopped answering.
+    ``candidates``: only these members are waited for (the others are known).
     """
     store.set(f"{key}/{rank}", "timed out")
     deadline = time.monotonic() + grace
-    silent = [r for r in members if r != rank]
+    silent = [r for r in (members if candidates is None else candidates) if r != rank]
     while silent and time.monotonic() < deadline:
         silent = [r for r in silent if not store.check([f"{key}/{r}"])]
         time.sleep(0.05)
@@ -117,6 +152,11 @@ class TorchDistCommunicator(Communicator):
         except (dist.DistError, RuntimeError, ValueError) as e:
             raise SubnetdpError(arrival_error(self, init_method, timeout, e)) from None
         self._groups[self.world] = dist.group.WORLD
+        try:  # who is who: when a connection closes, a rank of this host is looked at, not waited for
+            dist.distributed_c10d._get_default_store().set(f"{HOST_KEY}/{self.rank}",
+                                                          f"{os.uname().nodename} {os.getpid()}")
+        except Exception:
+            pass
 
     def _init_kwargs(self) -> dict[str, Any]:
         """Extra ``init_process_group`` arguments of a backend (NCCL binds its device)."""
@@ -132,33 +172,39 @@ class TorchDistCommunicator(Communicator):
                                            timeout=datetime.timedelta(seconds=float(self.cfg.timeout_s)))
 
     def _guarded(self, what: str, group: Sequence[int] | None, call: Any) -> Any:
-        """Run a collective; on a timeout, name the rank(s) that stopped answering, not only this one."""
+        """Run a collective; when a peer died or stopped answering, raise :class:`PeerLost` naming it.
+
+        Every member that sees the failure checks in at the world's store; a member that does not
+        within a grace period is the one that is gone (it died, or it is not waiting in the collective).
+        """
         try:
             return call()
         except (dist.DistError, RuntimeError) as e:
-            if _is_peer_gone(e):
-                members = tuple(range(self.world_size)) if group is None else tuple(group)
-                first = str(e).strip().splitlines()[0][:200]
-                # One line, not a traceback per survivor: the agent restarts the group (elastic or
-                # --max-restarts) and resume=auto continues from the newest checkpoint.
-                raise SubnetdpError(f"rank {self.rank} lost a peer in {what} over ranks {members}: a process "
-                                    f"of the job is gone (killed, crashed, or its node left) ({first})") from None
-            if not _is_timeout(e):
+            timeout = _is_timeout(e)
+            if not timeout and not _is_peer_gone(e):
                 raise
             members = tuple(range(self.world_size)) if group is None else tuple(group)
             self._stalls += 1
             try:
                 store = dist.distributed_c10d._get_default_store()
                 grace = max(2.0, min(10.0, float(self.cfg.timeout_s) / 10))
-                silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
-            except Exception:  # the store went with the job: say what is known
+                if timeout:
+                    silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
+                else:  # a connection closed: a process of this host is looked at, one elsewhere asked
+                    dead, elsewhere = dead_on_this_host(store, members)
+                    silent = sorted(dead + stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}",
+                                                         grace, [r for r in elsewhere if r != self.rank]))
+            except Exception:  # the store went with the job (it lived in a dead rank): say what is known
                 silent = []
-            who = (f"rank(s) {', '.join(map(str, silent))} stopped answering" if silent
-                   else "a peer stopped answering (every other member timed out too)")
-            raise SubnetdpError(f"{who}: rank {self.rank} timed out after comm.timeout_s={float(self.cfg.timeout_s):g} s "
-                                f"waiting in {what} over ranks {members} — look at the log of "
-                                f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'the slowest rank'} "
-                                "(a crash, a hang, or a much slower step), or raise comm.timeout_s") from None
+            names = f"rank(s) {', '.join(map(str, silent))}" if silent else None
+            if not timeout:
+                raise PeerLost(f"{names or 'a peer'} gone: rank {self.rank}'s {what} over ranks {members} lost its "
+                               f"connection ({str(e).strip().splitlines()[0][:160]})", silent) from None
+            who = f"{names} stopped answering" if names else "a peer stopped answering (every other member timed out too)"
+            raise PeerLost(f"{who}: rank {self.rank} timed out after comm.timeout_s={float(self.cfg.timeout_s):g} s "
+                           f"waiting in {what} over ranks {members} — look at the log of "
+                           f"{names or 'the slowest rank'} (a crash, a hang, or a much slower step), or raise "
+                           "comm.timeout_s", silent) from None
 
     def _pg(self, group: Sequence[int] | None) -> Any:
         key = self.world if group is None else tuple(group)

@@ -50,6 +50,8 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
 KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL between temp file and rename
 KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL rank 0 amid a removal
+KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
+KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
 KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which rank the two hooks above kill (default 1)
 
 
@@ -136,6 +138,15 @@ def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
         return
     marker.write_text("fired\n")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def step_faults(rank: int, marker_dir: Path) -> Callable[[str, int], None] | None:
+    """Test-only: the training step's fault injection (``where``: ``sync`` or ``update``), or None
+    when neither :data:`KILL_IN_SYNC` nor :data:`KILL_IN_UPDATE` is set (the usual case)."""
+    names = {"sync": KILL_IN_SYNC, "update": KILL_IN_UPDATE}
+    if not any(os.environ.get(n) for n in names.values()):
+        return None
+    return lambda where, step: fault_point(names[where], step, rank, marker_dir)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -39,10 +39,10 @@ from omegaconf import OmegaConf
 
 from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import RunContext
-from subnetdp.core.errors import CheckpointError, ConfigError, SubnetdpError
-from subnetdp.sdp.pieces import LocalIndex
+from subnetdp.core.errors import CheckpointError, ConfigError, PeerLost, SubnetdpError
+from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.train.checkpoints import units
+from subnetdp.train.checkpoints import survivors, units
 from subnetdp.train.checkpoints.source import CheckpointPieces, extra_by_prefix, local_names, rng_state
 
 if TYPE_CHECKING:
@@ -111,6 +111,8 @@ class Checkpointer:
         self.cfg, self.comm, self.rank = ctx.cfg, ctx.comm, ctx.rank
         self.run_id = ""
         self.last_saved: Path | None = None
+        self._boundary: tuple[int, Any, Any, dict[str, torch.Tensor]] | None = None
+        self._persistent: tuple[Any, set[str]] = (None, set())
 
     def _local_names(self) -> list[str]:
         """The local name of every optimizer parameter, in the optimizer's order (outside gathered())."""
@@ -154,26 +156,31 @@ class Checkpointer:
                 files.update(f)
             files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
             files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
-            spec = ctx.spec
-            manifest = {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": comm.world_size,
-                        "plan_digest": plan.digest(), "fsdp_shard_size": int(self.cfg.fsdp.shard_size),
-                        "partition_digest": units.partition_digest(partition),
-                        "partition": {"granularity": partition.granularity, "units": len(partition.units),
-                                      "units_per_layer": int(self.cfg.masker.units_per_layer)},
-                        "config_digest": config_mod.digest(self.cfg),
-                        "model": OmegaConf.to_container(self.cfg.model, resolve=True),
-                        "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-                        "reference": ctx.adapter.reference_options(spec),
-                        "files": dict(sorted(files.items())),
+            manifest = {**self._header(step), "files": dict(sorted(files.items())),
                         "pieces": units.piece_index(partition, plan, sync.owners_diverge)}
             ck.finish_directory(tmp, final, manifest)
             ck.prune(ctx.run_dir, int(self.cfg.checkpoint.keep), final)
+            survivors.prune_superseded(ctx.run_dir)  # a survivor's files older than this step are of no use
         comm.barrier()  # collective: no rank runs ahead of a checkpoint that is not complete yet
         self.last_saved = final
         return final
 
+    def _header(self, step: int) -> dict[str, Any]:
+        """What a manifest says besides its files and pieces (a survivor's fragment carries it too)."""
+        ctx, state, cfg = self.ctx, self.state, self.cfg
+        plan, partition, spec = state.plan, state.partition, ctx.spec
+        return {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": self.comm.world_size,
+                "plan_digest": plan.digest(), "fsdp_shard_size": int(cfg.fsdp.shard_size),
+                "partition_digest": units.partition_digest(partition),
+                "partition": {"granularity": partition.granularity, "units": len(partition.units),
+                              "units_per_layer": int(cfg.masker.units_per_layer)},
+                "config_digest": config_mod.digest(cfg),
+                "model": OmegaConf.to_container(cfg.model, resolve=True),
+                "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+                "reference": ctx.adapter.reference_options(spec)}
+
     def _write_rank_files(self, tmp: Path, step: int, pieces: dict[str, torch.Tensor],
-                          buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
+                          buffers: dict[str, torch.Tensor], position: tuple[Any, Any] | None = None) -> dict[str, Any]:
         state = self.state
         meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step),
                 "world_size": str(self.comm.world_size), "plan_digest": state.plan.digest()}
@@ -192,11 +199,90 @@ class Checkpointer:
                  "optimizer": {"class": type(optimizer).__name__,
                                "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                 for g in optim["param_groups"]]},
-                 "scheduler": state.scheduler.state_dict(), "loader": self.loader.state_dict(), "rng": rng_state(),
+                 "scheduler": state.scheduler.state_dict(),
+                 "loader": position[0] if position else self.loader.state_dict(), "rng": position[1] if position else rng_state(),
                  **state.synchronizer.rank_state()}  # local steps: the inner steps skipped in this cycle so far
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
         return out
+
+    # ------------------------------------------------------------------ recovery from the survivors
+    def recoverable(self) -> str | None:
+        """Why this run cannot write survivors' files, or None when it can."""
+        cfg = self.cfg
+        if not cfg.checkpoint.enabled:
+            return "checkpoint.enabled=false"
+        if not cfg.checkpoint.survivors:
+            return "checkpoint.survivors=false"
+        if int(cfg.masker.resample_every) > 0:
+            return f"masker.resample_every={cfg.masker.resample_every} (re-drawn plans are not resumable)"
+        if self.state.parallel.sharded:
+            return "fsdp.shard_size > 1 (a shard's optimizer state is gathered by a collective)"
+        return None
+
+    def mark_finished(self, step: int) -> None:
+        """Remember what a survivor's files need of ``step``, the last step this rank finished: the data
+        position, the RNG states and the buffers (the next step's forward changes them before any of
+        its collectives can fail). Cheap: two integers, the RNG states and the buffers' values."""
+        if self.recoverable() is not None:
+            return
+        persistent = self._persistent_buffers()
+        buffers = {n: b.detach().clone() for n, b in self.state.model.named_buffers() if n in persistent}
+        self._boundary = (step, self.loader.state_dict(), rng_state(), buffers)
+
+    def _persistent_buffers(self) -> set[str]:
+        model = self.state.model
+        if self._persistent[0] is not model:
+            self._persistent = (model, set(model.state_dict()))
+        return self._persistent[1]
+
+    def survive(self, error: PeerLost) -> PeerLost:
+        """A peer is gone: write this rank's units as of the last step it finished, without any
+        collective, and return the one line to leave with (what was lost, what was kept)."""
+        reason = self.recoverable()
+        progress, boundary = self.state.progress, self._boundary
+        if reason is None and progress.updated and not progress.settled:
+            reason = f"its values were between step {progress.step}'s update and its local-steps synchronisation"
+        if reason is None and not progress.updated and boundary is None:
+            reason = "no step had finished yet"
+        if reason is not None:
+            return PeerLost(f"{error}; rank {self.rank} kept no units ({reason}): a restart resumes from the newest "
+                            "checkpoint", error.lost)
+        if progress.updated:  # the step in progress is finished here: the state as it stands is its end
+            step = progress.step
+            position = boundary[1:3] if boundary is not None and boundary[0] == step else None
+            snapshot = boundary[3] if position is not None else None
+        else:  # failed before its update: the state is the last finished step's, but for what the forward moved
+            step, position, snapshot = boundary[0], boundary[1:3], boundary[3]
+        try:
+            path = self._write_fragment(step, position, snapshot)
+        except (OSError, SubnetdpError) as e:
+            return PeerLost(f"{error}; rank {self.rank} could not keep its units ({e})", error.lost)
+        return PeerLost(f"{error}; rank {self.rank} kept its units as of step {step} in {path} (a restart with "
+                        "resume=auto continues from there)", error.lost)
+
+    @torch.no_grad()
+    def _write_fragment(self, step: int, position: tuple[Any, Any] | None,
+                        snapshot: dict[str, torch.Tensor] | None) -> Path:
+        state, ctx = self.state, self.ctx
+        plan, partition, sync, model = state.plan, state.partition, state.synchronizer, state.model
+        if snapshot is not None:  # the buffers as the step ended, not as the next step's forward left them
+            for name, b in model.named_buffers():
+                if name in snapshot:
+                    b.copy_(snapshot[name])
+        tmp = survivors.fragment_tmp(ctx.run_dir, step, self.rank)
+        optim_state = dict(zip(self._local_names(), state.parallel.optimizer_state_full(state.optimizer)))
+        index = LocalIndex(model, state.pmap)
+        # Every piece it owns, not only those it writes in a regular checkpoint: another owner may be dead.
+        pieces = units.pieces_to_write(self.rank, partition, plan, index, extra_by_prefix(state), optim_state,
+                                       per_owner=True)
+        buffers = units.buffers_to_write(self.rank, partition, plan, index)
+        files = self._write_rank_files(tmp, step, pieces, buffers, position)
+        files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
+        files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
+        held = [units.item_key(it) for it in global_items(partition, plan) if self.rank in it.owners]
+        return survivors.write_fragment(ctx.run_dir, self._header(step), self.rank, files, held,
+                                        units.piece_index(partition, plan, sync.owners_diverge))
 
     # ------------------------------------------------------------------ resuming
     def start(self) -> int:
@@ -239,6 +325,10 @@ class Checkpointer:
         if resume == "never":
             return None
         if resume == "auto":
+            names = {u.id: u.name for u in self.state.partition.units}
+            done = survivors.assemble(self.ctx.run_dir, names)  # a lost worker's survivors wrote their units
+            if done is not None:
+                print(f"subnetdp: {done.message}", flush=True)
             return ck.latest_checkpoint(self.ctx.run_dir)
         return ck.resolve_checkpoint(Path(resume))
 

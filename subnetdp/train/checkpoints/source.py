@@ -119,7 +119,11 @@ class CheckpointPieces:
         old_plan = read_plan(path, manifest)
         old_world = int(manifest["world_size"])
         same_plan = old_world == world and manifest["plan_digest"] == state.plan.digest()
-        state_name = ck.rank_files(rank if old_world == world else 0)[1]
+        # Assembled from the survivors of a lost worker: the dead ranks wrote no files of their own.
+        absent = set(manifest.get("absent_ranks", ()))
+        present = [r for r in range(old_world) if r not in absent]
+        own = same_plan and rank not in absent
+        state_name = ck.rank_files(rank if old_world == world and rank not in absent else present[0])[1]
         saved = ck.read_state(ck.verify_file(path, state_name, manifest))
         reader = units.PieceReader(path, manifest)
         names = local_names(state.model, state.optimizer)
@@ -128,8 +132,9 @@ class CheckpointPieces:
         with torch.no_grad(), state.parallel.gathered(state.model, writeback=True):
             index = LocalIndex(state.model, state.pmap)
             optim_state, found = units.load_pieces(reader, rank, state.partition, state.plan, index,
-                                                   extra_by_prefix(state), own=same_plan)
-            units.load_buffers(reader, rank, state.partition, state.plan, index, old_plan, own=same_plan)
+                                                   extra_by_prefix(state), own=own)
+            units.load_buffers(reader, rank, state.partition, state.plan, index, old_plan, own=own,
+                               present=present)
             # A checkpoint written with per-step synchronisation has no outer state (local steps start a
             # cycle here), one written with sync.outer_momentum=0 no outer momentum (it starts at zero).
             sync.restore_extra(found)
@@ -140,8 +145,11 @@ class CheckpointPieces:
             state.scheduler.load_state_dict(saved["scheduler"])
             batch = int(ctx.cfg.train.batch_size)
             if old_world == world and int(saved.get("batch_size", batch)) == batch:
-                self.loader.load_state_dict(saved["loader"])
-                set_rng_state(saved["rng"])
+                self.loader.load_state_dict(saved["loader"])  # every rank of one world is at the same position
+                if rank in absent:  # a dead rank's own streams died with it
+                    reseed(int(ctx.cfg.seed) + int(manifest["step"]) + rank)
+                else:
+                    set_rng_state(saved["rng"])
             else:
                 self.loader.load_state_dict(units.carry_position(
                     saved["loader"], (old_world, int(saved.get("batch_size", batch))), (world, batch),

@@ -172,7 +172,7 @@ def assemble(run_dir: Path, names: dict[int, str] | None = None) -> Assembly | N
         dead = sorted(set(range(int(group[0].header["world_size"]))) - {f.rank for f in group})
         return Assembly(path, f"recovered step {step} from the surviving owners (ranks "
                         f"{sorted(f.rank for f in group)}; lost: {dead}) into {path}")
-    return Assembly(None, f"the survivors' files cannot make a whole step ({'; '.join(reasons)}): resuming "
+    return Assembly(None, f"the survivors' files cannot make a whole step: {'; '.join(reasons)}; resuming "
                     f"from {fallback}")
 
 

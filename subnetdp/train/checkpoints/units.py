@@ -257,16 +257,19 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
 
 @torch.no_grad()
 def load_buffers(reader: PieceReader, rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
-                 old_plan: MaskPlan, own: bool) -> None:
+                 old_plan: MaskPlan, own: bool, present: Sequence[int] | None = None) -> None:
     """Fill this rank's buffer pieces: its own copies (``own``: same plan and world size), otherwise
-    the mean of the old owners' copies for float buffers and the lowest old owner's for the others."""
-    old_world = tuple(range(old_plan.world_size))
+    the mean of the old owners' copies for float buffers and the lowest old owner's for the others;
+    ``present``: the old ranks that wrote their buffers (the survivors of a lost worker), None for all."""
+    keep = set(range(old_plan.world_size) if present is None else present)
+    old_world = tuple(sorted(keep))
     for it in global_items(partition, plan, buffers=True):
         found = index.find(it) if rank in it.owners else None
         if found is None:
             continue
         dst = _cut(index.tensors[found[0]], found)
-        sources = (rank,) if own else (old_plan.owners(it.unit) if it.unit is not None else old_world)
+        sources = (rank,) if own else (tuple(r for r in old_plan.owners(it.unit) if r in keep)
+                                       if it.unit is not None else old_world)
         read_buffer_mean(reader, item_key(it), sources, dst)
 
 

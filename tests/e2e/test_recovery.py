@@ -1,0 +1,99 @@
+"""Recovery from the surviving owners, with real kills under ``torchrun --max-restarts 1`` (4 gloo ranks).
+
+ResNet-18 on digits at C = 0.5 with ``masker.min_owners=2``: every unit has two owners, so one dead
+rank takes nothing that a survivor does not hold. The reference run saves every step. A run with no
+periodic checkpoint whose rank 1 is SIGKILLed inside step 4's gradient averaging must resume from
+step 3 (the last finished step: nothing finished is trained again), and one killed right after step
+4's update from step 4; the checkpoint assembled from the survivors' files must hold exactly the
+reference's values and optimizer state of that step, and the run must end with the reference's
+parameters and optimizer state. A plan whose units have one owner falls back to the newest complete
+checkpoint and names what was lost. No path leaves a process or prints a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from subnetdp.train.checkpoints import files as ck
+from subnetdp.train.checkpoints import survivors
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+COMMON = ["train", "resnet18_digits", "train.steps=6", "train.batch_size=4", "train.log_every=2",
+          "eval.bn_recalibrate_batches=0", "eval.every=0", "optim.warmup_steps=0", "masker.coverage=0.5",
+          "launch.threads_per_rank=1", "train.progress=false", "checkpoint.keep=0", "resume=auto"]
+
+
+def _torchrun(tmp: Path, name: str, *extra: str, nproc: int = 4, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1", "-m", "subnetdp",
+           *COMMON, f"run.dir={tmp}", f"run.name={name}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    _assert_no_process_left(tmp / name)
+    return proc
+
+
+def _assert_no_process_left(run_dir: Path) -> None:
+    left = subprocess.run(["pgrep", "-f", f"run.dir={run_dir.parent} "], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left running: {left}"
+
+
+def _pieces(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every parameter piece of a checkpoint with its optimizer state, by key (whoever wrote it)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("pieces_*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_pieces_equal(got: Path, want: Path) -> None:
+    a, b = _pieces(got), _pieces(want)
+    assert set(b) <= set(a), sorted(set(b) - set(a))[:5]
+    for key in b:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("ref")
+    _torchrun(tmp, "ref", "masker.min_owners=2", "checkpoint.every=1")
+    return tmp / "ref"
+
+
+@pytest.mark.parametrize("where, recovered", [(ck.KILL_IN_SYNC, 3), (ck.KILL_IN_UPDATE, 4)])
+def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, where, recovered):
+    proc = _torchrun(tmp_path, "killed", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
+                     env={where: "4"})
+    run = tmp_path / "killed"
+    assert (run / f".{where.lower()}-4").exists()  # the kill really happened
+    step = ck.step_dir(run, recovered)
+    assert f"recovered step {recovered} from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
+    assert f"resumed from {step} (step {recovered})" in proc.stdout
+    assert "rank(s) 1 gone" in proc.stderr
+    manifest = ck.read_manifest(step)
+    assert manifest["absent_ranks"] == [1] and manifest["recovered_from"] == [0, 2, 3]
+    # Every piece (value and optimizer state) as the surviving owners held it at that step.
+    _assert_pieces_equal(step, ck.step_dir(reference, recovered))
+    # ...and the run goes on to the reference's end: parameters and optimizer state bit for bit.
+    _assert_pieces_equal(ck.step_dir(run, 6), ck.step_dir(reference, 6))
+    for r in (0, 2, 3):  # the survivors' buffers too (the dead rank's are its co-owners' mean)
+        name = ck.rank_files(r)[0]
+        a, b = load_file(str(ck.step_dir(run, 6) / name)), load_file(str(ck.step_dir(reference, 6) / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(survivors.survivors_dir(run).iterdir())  # superseded fragments are gone
+
+
+def test_a_unit_with_no_surviving_owner_falls_back_to_the_newest_checkpoint(tmp_path):
+    # Two ranks at C = 0.5: every unit has one owner, so rank 1's death loses its units.
+    proc = _torchrun(tmp_path, "single", "checkpoint.every=2", nproc=2, env={ck.KILL_IN_SYNC: "4"})
+    assert "the survivors' files cannot make a whole step: step 3 (from ranks [0]) lacks layer" in proc.stdout
+    assert "(no surviving owner); resuming from the newest complete checkpoint" in proc.stdout
+    assert f"resumed from {ck.step_dir(tmp_path / 'single', 2)} (step 2)" in proc.stdout
