@@ -489,8 +489,31 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
     check_data_fits_model(cfg, registries)
+    # After the checks of the choices themselves: a wrong data.name is the error, not the keys it ignores.
+    check_ignored(cfg, registries)
     check_image_size(cfg)
     warn_threads(cfg)
+
+
+def check_ignored(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """A shared key that the selected plugin does not read (its ``ignores``) keeps its default: a value
+    set there would otherwise be accepted and do nothing (``data.root`` for ``digits``)."""
+    for group in PLUGIN_GROUPS:
+        name, registry = str(cfg[group].name), registries[group]
+        cls = registry.get(name)
+        if not cls.ignores:
+            continue
+        defaults = OmegaConf.structured(cls.Config)
+        for key, why in cls.ignores.items():
+            if key not in cfg[group]:
+                continue
+            value, default = _shown(cfg[group], key), _shown(defaults, key)
+            if value == default:
+                continue
+            users = [n for n in registry.names() if key not in registry.get(n).ignores]
+            raise ConfigError(f"{group}.{key}", value, f"{group}.name={name} does not use it ({why})",
+                              f"leave it at its default {default!r} (~{group}.{key} drops a recipe's value)"
+                              + (f"; it is read by {group}.name={', '.join(users)}" if users else ""))
 
 
 def _check_regularizers(cfg: DictConfig, adapter: Any) -> None:

@@ -80,6 +80,8 @@ class MpiCommunicator(Communicator):
     """mpi4py: CPU tensors without copies, CUDA tensors directly or through pinned host buffers."""
 
     Config = MpiConfig
+    ignores = {"init_method": "MPI's own launcher makes the world; there is no rendezvous",
+               "timeout_s": "MPI's collectives take no timeout"}
 
     def __init__(self, cfg: Any, env: Any) -> None:
         super().__init__(cfg, env)
