@@ -47,6 +47,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
         from subnetdp.train.loop import preflight
         from subnetdp.launchers.local import launch_local
 
+        from subnetdp.train.upfront import check_launcher
+
+        check_launcher(cfg, pm.registries, "local", nproc)
         # Fail on a bad plan or a busy run directory here, before any worker or process group exists.
         preflight(cfg, nproc, pm)
         if cfg.run.name:
@@ -95,9 +98,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = load_config(recipe, overrides, pm.registries)
-    if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
-        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
-                          "use --launcher mpirun, or comm.name=gloo")
+    from subnetdp.train.upfront import check_launcher
+
+    check_launcher(cfg, pm.registries, ns.launcher, ns.nproc)
     # a bad config or plan fails here, before any worker starts (srun's workers run on other machines)
     preflight(cfg, ns.nproc, pm, machine=ns.launcher != "srun")
     return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,

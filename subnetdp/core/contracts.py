@@ -432,6 +432,18 @@ class Communicator(Plugin, abc.ABC):
         """Raise :class:`ConfigError` if the launching machine lacks what this backend needs (CUDA for
         nccl); called in the launching process before workers start, skipped where they run elsewhere (srun)."""
 
+    @classmethod
+    def device_type(cls, cfg: Any) -> str:
+        """``cpu`` or ``cuda``: what a rank computes on with the ``comm`` section ``cfg``, known before any
+        process exists (``device`` tells the same of an instance). ``train.device`` must agree with it."""
+        return "cpu"
+
+    @classmethod
+    def check_launcher(cls, launcher: str, nproc: int) -> None:
+        """Raise :class:`ConfigError` if ``launcher`` cannot start this backend's ranks; called before it
+        starts any. ``launcher``: ``local`` (``subnetdp train launch.nproc=N``), ``torchrun``, ``mpirun``
+        or ``srun`` (``subnetdp launch``)."""
+
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> None:
         """Create the group of ``ranks``. Collective: every rank calls it, in the same order."""

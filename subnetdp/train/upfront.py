@@ -5,7 +5,13 @@ Each turns a problem that would otherwise surface as one traceback per rank into
 
 - :func:`check_run_dir`: ``run.dir`` can be created and written;
 - :func:`check_batch_fits`: a batch fits into every rank's data shard;
-- :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA).
+- :func:`check_backend`: the communicator can run on this machine (``comm.name=nccl`` without CUDA,
+  ``comm.device=cuda`` without a GPU);
+- :func:`check_launcher`: the communicator can be started by the launcher (``comm.name=mpi`` needs
+  mpirun, not ``launch.nproc=N``).
+
+:func:`check_config` holds the rule across keys that belongs here (``train.device`` against the
+communicator's device); :func:`~subnetdp.train.configure.load_config` runs it for every command.
 
 :func:`finished_run` tells ``resume=auto`` that the run already did all its steps; a ``summary.json``
 that is not what a run writes (checked against :data:`SUMMARY`) is refused in one line.
@@ -57,15 +63,38 @@ def check_batch_fits(cfg: DictConfig, data: Any, world_size: int) -> None:
                               "lower train.batch_size (it is per rank), or use fewer ranks") from None
 
 
+def check_config(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """``train.device`` agrees with the communicator's device."""
+    comm = registries["comm"].get(cfg.comm.name)
+    device, kind = str(cfg.train.device), comm.device_type(cfg.comm)
+    if device != "auto" and device != kind:
+        fix = ("use comm.name=nccl for GPUs (comm.device=cuda with comm.name=mpi), or train.device=auto"
+               if device == "cuda" else f"use train.device=auto, or a communicator that computes on {device}")
+        raise ConfigError("train.device", device, f"comm.name={cfg.comm.name} computes on {kind}", fix)
+
+
 def check_backend(cfg: DictConfig, registries: dict[str, Any], world_size: int) -> None:
     """The communicator can run ``world_size`` ranks here (e.g. CUDA and NCCL for ``comm.name=nccl``).
 
     A communicator declares what it needs of the launching machine with a ``check_machine(name)``
-    class method (skipped for srun, whose workers run on other nodes than the launching one).
+    class method (skipped for srun, whose workers run on other nodes than the launching one); a
+    communicator that computes on ``cuda`` needs a GPU whichever it is.
     """
     cls = registries["comm"].get(cfg.comm.name)
     cls.check_world_size(world_size)
     cls.check_machine(str(cfg.comm.name))
+    if cls.device_type(cfg.comm) == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            key, value = ("comm.device", "cuda") if "device" in cfg.comm else ("comm.name", str(cfg.comm.name))
+            raise ConfigError(key, value, "computes on a CUDA GPU, but this machine has none visible "
+                              "(torch.cuda.is_available() is False)", "train on CPUs with comm.name=gloo")
+
+
+def check_launcher(cfg: DictConfig, registries: dict[str, Any], launcher: str, nproc: int) -> None:
+    """The communicator's ranks can be started by ``launcher`` (``local``: ``launch.nproc=N``)."""
+    registries["comm"].get(cfg.comm.name).check_launcher(launcher, nproc)
 
 
 def finished_run(cfg: DictConfig) -> str | None:

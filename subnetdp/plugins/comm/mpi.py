@@ -97,6 +97,20 @@ class MpiCommunicator(Communicator):
             raise ConfigError("train.device", cfg.train.device, f"comm.device={node.device} holds the tensors",
                               f"set comm.device={cfg.train.device} too, or train.device=auto")
 
+    @classmethod
+    def device_type(cls, cfg: Any) -> str:
+        return "cuda" if str(cfg.device) == "cuda" else "cpu"
+
+    @classmethod
+    def check_launcher(cls, launcher: str, nproc: int) -> None:
+        if launcher == "mpirun":
+            return
+        how = (f"launch.nproc={nproc}, whose workers torch's elastic launcher starts" if launcher == "local"
+               else launcher)
+        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {how}",
+                          (f"start it with subnetdp launch --launcher mpirun --nproc {nproc} RECIPE [key=value ...], "
+                           "or use comm.name=gloo") if launcher == "local" else "use --launcher mpirun, or comm.name=gloo")
+
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if str(self.cfg.device) == "cuda" else torch.device("cpu")
