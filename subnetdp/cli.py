@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import textwrap
 import time
 import warnings
 from typing import Sequence
@@ -124,7 +126,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.memory:
         from subnetdp.plan.budget import budget_search, format_budget, parse_memory
 
-        result = budget_search(cfg, world, pm, parse_memory(ns.memory, world))
+        result = {"memory": ns.memory, **budget_search(cfg, world, pm, parse_memory(ns.memory, world))}
         report = result.get("report")
         if ns.json:
             print(json.dumps(result, indent=2))
@@ -168,15 +170,33 @@ def _version() -> str:
 def cmd_recipes(ns: argparse.Namespace) -> int:
     from subnetdp.core.config import config_root
 
-    rows = []
-    for path in sorted((config_root() / "recipes").glob("*.yaml")):
-        first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-        rows.append((path.stem, first))
+    rows = [(path.stem, recipe_summary(path.read_text())) for path in sorted((config_root() / "recipes").glob("*.yaml"))]
     width = max(len(n) for n, _ in rows)
     for name, about in rows:
-        print(f"{name:<{width}}  {about}")
+        lines = textwrap.wrap(about, max(40, 100 - width - 2)) or [""]
+        print(f"{name:<{width}}  {lines[0]}")
+        for line in lines[1:]:
+            print(f"{'':<{width}}  {line}")
     print("\nrun one with: subnetdp train NAME [key=value ...]; see it resolved with --print-config")
     return 0
+
+
+def recipe_summary(text: str) -> str:
+    """A recipe's first sentence, from the comment paragraph at its top (whole, never cut mid-sentence)."""
+    paragraph: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        words = line.lstrip("#").strip()
+        if not words:
+            if paragraph:
+                break
+            continue
+        paragraph.append(words)
+    joined = " ".join(paragraph)
+    # A sentence ends at ". " followed by a capital letter or a digit (not "e.g. x" or "0.5 coverage").
+    match = re.search(r"(?<=[.!?])\s+(?=[A-Z0-9])", joined)
+    return joined[:match.start()] if match else joined
 
 
 def cmd_prepare_text(ns: argparse.Namespace) -> int:
