@@ -47,3 +47,19 @@ def test_budget_answer_shows_the_budget_in_gib_and_every_search_line_whole():
     result["memory"] = "24GiB"
     result["budgets"] = [24 * 2**30] * 2
     assert format_budget(result).splitlines()[0] == "memory budget per rank: 24.00 GiB"
+
+
+def test_the_readme_examples_are_what_the_program_prints(capsys, tmp_path, monkeypatch):
+    """Every ``$ subnetdp ...`` line in the README's example blocks, run, prints the line below it."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    examples = re.findall(r"^\$ subnetdp (.+)\n(subnetdp: .+)$", readme, re.MULTILINE)
+    assert len(examples) >= 2, examples
+    monkeypatch.chdir(tmp_path)  # a run that was not refused would write here, not into the checkout
+    for command, shown in examples:
+        main(shlex.split(command))
+        printed = capsys.readouterr().err.strip().splitlines()
+        assert printed and printed[-1] == shown, (command, printed)
