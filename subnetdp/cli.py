@@ -28,10 +28,10 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from subnetdp.core.config import default_run_name
     from subnetdp.train.configure import load_config
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers import detect
+    from subnetdp.train import upfront
 
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
@@ -46,36 +46,60 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if _already_finished(cfg, env):
         return 0
     if env.launcher == "none" and nproc > 1:
-        from subnetdp.train.loop import preflight
-        from subnetdp.launchers.local import launch_local
+        return _start_local_workers(cfg, recipe, overrides, nproc, pm)
+    from subnetdp.train import runlock
 
-        from subnetdp.train.upfront import check_launcher
-
-        check_launcher(cfg, pm.registries, "local", nproc)
-        # Fail on a bad plan or a busy run directory here, before any worker or process group exists.
-        preflight(cfg, nproc, pm)
-        if cfg.run.name:
-            from pathlib import Path
-
-            from subnetdp.train.runlock import check_free
-            check_free(Path(str(cfg.run.dir)) / str(cfg.run.name))
-        if not cfg.run.name:
-            overrides.append(f"run.name={default_run_name(cfg, nproc)}{time.strftime('-%Y%m%d-%H%M%S')}")
-        argv = ["train"] + ([recipe] if recipe else []) + overrides
-        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
-        return launch_local(nproc, argv)
     if env.launcher != "none":
         from subnetdp.launchers.lifetime import worker_dies_with_launcher
 
         worker_dies_with_launcher()  # a killed launcher takes its workers with it
+        if cfg.run.name and not runlock.launcher_holds(upfront.run_dir_of(cfg)):
+            # Every rank sees the same files before any of them writes: all refuse alike (no process
+            # group exists yet); only rank 0 deletes for run.overwrite.
+            upfront.check_new_run(cfg, remove=env.rank == 0)
     else:
-        from subnetdp.train.upfront import check_run_dir
-
-        check_run_dir(cfg)
+        upfront.check_run_dir(cfg)
+        _name_run(cfg, 1)
+        runlock.check_free(upfront.run_dir_of(cfg))  # a busy run directory is this line, not the one below
+        upfront.check_new_run(cfg)
     from subnetdp.train.loop import train
 
     train(cfg, env, pm)
     return 0
+
+
+def _name_run(cfg, world_size: int) -> str:
+    """``run.name``, made now from the config and the time when it is empty (once, in the launching process)."""
+    from omegaconf import OmegaConf
+
+    from subnetdp.core.config import default_run_name
+
+    if not cfg.run.name:
+        OmegaConf.update(cfg, "run.name", f"{default_run_name(cfg, world_size)}{time.strftime('-%Y%m%d-%H%M%S')}")
+    return str(cfg.run.name)
+
+
+def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: int, pm) -> int:
+    """``subnetdp train launch.nproc=N``: every check, then the run directory's lock, then the workers."""
+    from subnetdp.launchers.local import launch_local
+    from subnetdp.train import runlock, upfront
+    from subnetdp.train.loop import preflight
+
+    upfront.check_launcher(cfg, pm.registries, "local", nproc)
+    # Fail on a bad plan or machine here, before any worker or process group exists.
+    preflight(cfg, nproc, pm)
+    given = bool(cfg.run.name)
+    name = _name_run(cfg, nproc)
+    argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
+    # Refused here, a job touches nothing (the lock file included): first a live job, then an old run.
+    runlock.check_free(upfront.run_dir_of(cfg))
+    upfront.check_new_run(cfg, remove=False)
+    # The lock is taken here, before any worker exists, and handed to the workers' rank 0: a second job
+    # on this run directory stops at this line however soon after this one it was started.
+    with runlock.hold_for_workers(upfront.run_dir_of(cfg)):
+        upfront.check_new_run(cfg)  # again, now that no other job can start a run there
+        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
+        return launch_local(nproc, argv)
 
 
 def _already_finished(cfg, env) -> bool:
@@ -94,19 +118,31 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.train.loop import preflight
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
+    from subnetdp.train import runlock, upfront
 
     if ns.nproc < 1:
         raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
     cfg = load_config(recipe, overrides, pm.registries)
-    from subnetdp.train.upfront import check_launcher
-
-    check_launcher(cfg, pm.registries, ns.launcher, ns.nproc)
+    upfront.check_launcher(cfg, pm.registries, ns.launcher, ns.nproc)
     # a bad config or plan fails here, before any worker starts (srun's workers run on other machines)
     preflight(cfg, ns.nproc, pm, machine=ns.launcher != "srun")
-    return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
-                      ns.launcher_args.split(), ns.dry_run)
+    args = ([recipe] if recipe else []) + overrides
+    if not cfg.run.name or ns.dry_run:  # a made name is new; a dry run only prints
+        return run_launch(ns.launcher, ns.nproc, args, ns.mpirun, ns.launcher_args.split(), ns.dry_run)
+    run_dir = upfront.run_dir_of(cfg)
+    if ns.launcher != "torchrun":
+        # mpirun's and srun's rank 0 may run on another node: the job's rank 0 takes the lock there.
+        runlock.check_free(run_dir)
+        upfront.check_new_run(cfg)
+        return run_launch(ns.launcher, ns.nproc, args, ns.mpirun, ns.launcher_args.split())
+    # torchrun on this node (--standalone): its workers descend from this process, which holds the lock.
+    runlock.check_free(run_dir)
+    upfront.check_new_run(cfg, remove=False)
+    with runlock.hold_for_workers(run_dir):
+        upfront.check_new_run(cfg)
+        return run_launch(ns.launcher, ns.nproc, args, ns.mpirun, ns.launcher_args.split())
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

@@ -125,6 +125,8 @@ class RunDirConfig:
     name: str = doc("the run directory's name: one folder name of printable characters (empty: made on rank 0 "
                     "with a timestamp)", "")
     tensorboard: bool = doc('write TensorBoard events', True)
+    overwrite: bool = doc('delete what run.dir/run.name holds before a new run starts there (resume=never); '
+                          'without it such a run is refused', False, writes=True)
 
 
 @dataclass

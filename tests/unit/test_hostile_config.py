@@ -79,6 +79,9 @@ CONTRADICTIONS = {  # overrides -> the one line that refuses them (each was acce
     ("comm.timeout_s=1e308",): "comm.timeout_s=1e+308: must be in [1.0, 604800.0] — 600 is the default",
     ("launch.threads_per_rank=100000",):
         "launch.threads_per_rank=100000: must be in [0, 1024] — 0 shares the cores evenly among the local ranks",
+    ("run.name=x", "run.overwrite=true", "resume=auto"):
+        "run.overwrite=True: would delete the run that resume=auto continues from — drop run.overwrite to continue "
+        "the run, or resume=never to start it again",
     ('run.name="exp\\n1"',):  # YAML's double quotes: a real newline inside the name
         "run.name='exp\\n1': holds the control character U+000A; a run name is one line of printable characters "
         "— use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)",
