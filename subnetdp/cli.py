@@ -99,7 +99,7 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     with runlock.hold_for_workers(upfront.run_dir_of(cfg)):
         upfront.check_new_run(cfg)  # again, now that no other job can start a run there
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
-        return launch_local(nproc, argv)
+        return launch_local(nproc, argv, stop_timeout_s=float(cfg.launch.stop_timeout_s))
 
 
 def _already_finished(cfg, env) -> bool:

@@ -117,6 +117,11 @@ class LaunchConfig:
     # node has cores for one rank, so above it the number is a typo.
     threads_per_rank: int = doc(f'torch threads per rank (0 = the cores shared evenly; at most {MAX_THREADS_PER_RANK})', 0,
                                 lo=0, hi=MAX_THREADS_PER_RANK, fix="0 shares the cores evenly among the local ranks")
+    # SLURM and Kubernetes wait 30 s between SIGTERM and SIGKILL by default; a checkpoint of a large
+    # model can take longer, hence a longer default here (the launcher says what it waits for).
+    stop_timeout_s: float = doc('after SIGINT/SIGTERM, seconds the local workers get to finish their step and checkpoint '
+                                'before the launcher kills them', 120.0, lo=1.0, hi=86400.0,
+                                fix="120 is the default")
 
 
 @dataclass
