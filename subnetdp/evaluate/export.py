@@ -185,8 +185,8 @@ def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: u
         fill_buffer(TensorSlice(name), world)
 
 
-#: What every run writes into its directory, checkpoints or not.
-RUN_RECORDS = ("config.yaml", "plan.json", "metrics.jsonl", "summary.json")
+#: What a run writes into its directory and never into a checkpoint (both hold config.yaml and plan.json).
+RUN_RECORDS = ("metrics.jsonl", "summary.json", "tensorboard")
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -197,7 +197,7 @@ def find_checkpoint(path: Path) -> Path:
     """
     path = Path(path)
     if not (path / ck.MANIFEST).is_file() and not ck.checkpoints_dir(path).exists():
-        found = [name for name in RUN_RECORDS if (path / name).is_file()]
+        found = [name for name in RUN_RECORDS if (path / name).exists()]
         if found:
             raise CheckpointError(
                 f"{path}: a run directory ({', '.join(found)}) whose run kept no checkpoint: "

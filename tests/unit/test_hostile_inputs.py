@@ -340,6 +340,6 @@ def test_eval_of_a_run_that_kept_no_checkpoint_says_so_and_how_to_keep_one(sourc
     assert (run / "config.yaml").is_file() and not (run / "checkpoints").exists()
     for argv in (["eval", str(run)], ["export", str(run), str(tmp_path / "out")]):
         err = _one_line_error(capsys, argv)
-        assert err.startswith(f"subnetdp: error: {run}: a run directory (config.yaml, ") and "kept no checkpoint" in err
+        assert err.startswith(f"subnetdp: error: {run}: a run directory (metrics.jsonl, ") and "kept no checkpoint" in err
         assert "checkpoint.final=always" in err, err
     assert "no such checkpoint or run directory" in _one_line_error(capsys, ["eval", str(tmp_path / "missing")])
