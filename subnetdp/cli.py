@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import textwrap
 import time
 import warnings
 from typing import Sequence
@@ -27,10 +29,10 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from subnetdp.core.config import default_run_name
     from subnetdp.train.configure import load_config
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers import detect
+    from subnetdp.train import upfront
 
     recipe, overrides = _split_args(ns.args)
     pm = PluginManager()
@@ -45,33 +47,60 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if _already_finished(cfg, env):
         return 0
     if env.launcher == "none" and nproc > 1:
-        from subnetdp.train.setup import preflight
-        from subnetdp.launchers.local import launch_local
+        return _start_local_workers(cfg, recipe, overrides, nproc, pm)
+    from subnetdp.train import runlock
 
-        # Fail on a bad plan or a busy run directory here, before any worker or process group exists.
-        preflight(cfg, nproc, pm)
-        if cfg.run.name:
-            from pathlib import Path
-
-            from subnetdp.train.runlock import check_free
-            check_free(Path(str(cfg.run.dir)) / str(cfg.run.name))
-        if not cfg.run.name:
-            overrides.append(f"run.name={default_run_name(cfg, nproc)}{time.strftime('-%Y%m%d-%H%M%S')}")
-        argv = ["train"] + ([recipe] if recipe else []) + overrides
-        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
-        return launch_local(nproc, argv)
     if env.launcher != "none":
         from subnetdp.launchers.lifetime import worker_dies_with_launcher
 
         worker_dies_with_launcher()  # a killed launcher takes its workers with it
+        if cfg.run.name and not runlock.launcher_holds(upfront.run_dir_of(cfg)):
+            # Every rank sees the same files before any of them writes: all refuse alike (no process
+            # group exists yet); only rank 0 deletes for run.overwrite.
+            upfront.check_new_run(cfg, remove=env.rank == 0)
     else:
-        from subnetdp.train.upfront import check_run_dir
-
-        check_run_dir(cfg)
+        upfront.check_run_dir(cfg)
+        _name_run(cfg, 1)
+        runlock.check_free(upfront.run_dir_of(cfg))  # a busy run directory is this line, not the one below
+        upfront.check_new_run(cfg)
     from subnetdp.train.loop import train
 
     train(cfg, env, pm)
     return 0
+
+
+def _name_run(cfg, world_size: int) -> str:
+    """``run.name``, made now from the config and the time when it is empty (once, in the launching process)."""
+    from omegaconf import OmegaConf
+
+    from subnetdp.core.config import default_run_name
+
+    if not cfg.run.name:
+        OmegaConf.update(cfg, "run.name", f"{default_run_name(cfg, world_size)}{time.strftime('-%Y%m%d-%H%M%S')}")
+    return str(cfg.run.name)
+
+
+def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: int, pm) -> int:
+    """``subnetdp train launch.nproc=N``: every check, then the run directory's lock, then the workers."""
+    from subnetdp.launchers.local import launch_local
+    from subnetdp.train import runlock, upfront
+    from subnetdp.train.setup import preflight
+
+    upfront.check_launcher(cfg, pm.registries, "local", nproc)
+    # Fail on a bad plan or machine here, before any worker or process group exists.
+    preflight(cfg, nproc, pm)
+    given = bool(cfg.run.name)
+    name = _name_run(cfg, nproc)
+    argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
+    # Refused here, a job touches nothing (the lock file included): first a live job, then an old run.
+    runlock.check_free(upfront.run_dir_of(cfg))
+    upfront.check_new_run(cfg, remove=False)
+    # The lock is taken here, before any worker exists, and handed to the workers' rank 0: a second job
+    # on this run directory stops at this line however soon after this one it was started.
+    with runlock.hold_for_workers(upfront.run_dir_of(cfg)):
+        upfront.check_new_run(cfg)  # again, now that no other job can start a run there
+        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
+        return launch_local(nproc, argv, stop_timeout_s=float(cfg.launch.stop_timeout_s))
 
 
 def _already_finished(cfg, env) -> bool:
@@ -91,6 +120,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
     from subnetdp.launchers.nodes import node_overrides, nodes_of
+    from subnetdp.train import runlock, upfront
 
     if ns.nproc < 1:
         raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
@@ -99,9 +129,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     pm = PluginManager()
     # launch.nproc of this launch: the local workers (the recipe's value would steer the thread checks)
     cfg = load_config(recipe, overrides + [f"launch.nproc={ns.nproc}"], pm.registries)
-    if cfg.comm.name == "mpi" and ns.launcher != "mpirun":
-        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {ns.launcher}",
-                          "use --launcher mpirun, or comm.name=gloo")
+    upfront.check_launcher(cfg, pm.registries, ns.launcher, ns.nproc)
     nodes = nodes_of(cfg, ns.launcher, ns.node_rank)
     # a bad config or plan fails here, before any worker starts (srun's workers run on other machines),
     # at every world size the job can take: an elastic job may shrink to its fewest nodes
@@ -112,8 +140,31 @@ def cmd_launch(ns: argparse.Namespace) -> int:
             if not nodes.elastic:
                 raise
             raise SubnetdpError(f"--nnodes {nodes.spec} x --nproc {ns.nproc}: at {world} rank(s): {e}") from None
-    return run_launch(ns.launcher, ns.nproc, ([recipe] if recipe else []) + overrides, ns.mpirun,
-                      ns.launcher_args.split(), ns.dry_run, nodes)
+    args = ([recipe] if recipe else []) + overrides
+
+    def start() -> int:
+        return run_launch(ns.launcher, ns.nproc, args, ns.mpirun, ns.launcher_args.split(), ns.dry_run, nodes)
+
+    if not cfg.run.name or ns.dry_run:  # a made name is new; a dry run only prints
+        return start()
+    run_dir = upfront.run_dir_of(cfg)
+    if nodes.several:
+        # The lock is the job's: its rank 0 takes it wherever it runs. Only the first node checks
+        # (another node starts while the job may already hold the directory).
+        if not ns.node_rank:
+            runlock.check_free(run_dir)
+            upfront.check_new_run(cfg)
+        return start()
+    runlock.check_free(run_dir)
+    if ns.launcher != "torchrun":
+        # mpirun's and srun's rank 0 may run on another node: the job's rank 0 takes the lock there.
+        upfront.check_new_run(cfg)
+        return start()
+    # torchrun on this node (--standalone): its workers descend from this process, which holds the lock.
+    upfront.check_new_run(cfg, remove=False)
+    with runlock.hold_for_workers(run_dir):
+        upfront.check_new_run(cfg)
+        return start()
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -133,7 +184,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.memory:
         from subnetdp.plan.budget import budget_search, format_budget, parse_memory
 
-        result = budget_search(cfg, world, pm, parse_memory(ns.memory, world))
+        result = {"memory": ns.memory, **budget_search(cfg, world, pm, parse_memory(ns.memory, world))}
         report = result.get("report")
         if ns.json:
             print(json.dumps(result, indent=2))
@@ -177,15 +228,33 @@ def _version() -> str:
 def cmd_recipes(ns: argparse.Namespace) -> int:
     from subnetdp.core.config import config_root
 
-    rows = []
-    for path in sorted((config_root() / "recipes").glob("*.yaml")):
-        first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-        rows.append((path.stem, first))
+    rows = [(path.stem, recipe_summary(path.read_text())) for path in sorted((config_root() / "recipes").glob("*.yaml"))]
     width = max(len(n) for n, _ in rows)
     for name, about in rows:
-        print(f"{name:<{width}}  {about}")
+        lines = textwrap.wrap(about, max(40, 100 - width - 2)) or [""]
+        print(f"{name:<{width}}  {lines[0]}")
+        for line in lines[1:]:
+            print(f"{'':<{width}}  {line}")
     print("\nrun one with: subnetdp train NAME [key=value ...]; see it resolved with --print-config")
     return 0
+
+
+def recipe_summary(text: str) -> str:
+    """A recipe's first sentence, from the comment paragraph at its top (whole, never cut mid-sentence)."""
+    paragraph: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        words = line.lstrip("#").strip()
+        if not words:
+            if paragraph:
+                break
+            continue
+        paragraph.append(words)
+    joined = " ".join(paragraph)
+    # A sentence ends at ". " followed by a capital letter or a digit (not "e.g. x" or "0.5 coverage").
+    match = re.search(r"(?<=[.!?])\s+(?=[A-Z0-9])", joined)
+    return joined[:match.start()] if match else joined
 
 
 def cmd_prepare_text(ns: argparse.Namespace) -> int:

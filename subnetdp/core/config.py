@@ -129,6 +129,11 @@ class LaunchConfig:
     rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents meet (a free port on the node started first)", "")
     rdzv_id: str = doc("the job's rendezvous id, the same on every node (empty: subnetdp-RUN.NAME)", "")
     rdzv_conf: str = doc("torchrun's --rdzv-conf, e.g. last_call_timeout=30,join_timeout=600", "")
+    # SLURM and Kubernetes wait 30 s between SIGTERM and SIGKILL by default; a checkpoint of a large
+    # model can take longer, hence a longer default here (the launcher says what it waits for).
+    stop_timeout_s: float = doc('after SIGINT/SIGTERM, seconds the local workers get to finish their step and checkpoint '
+                                'before the launcher kills them', 120.0, lo=1.0, hi=86400.0,
+                                fix="120 is the default")
 
 
 @dataclass
@@ -137,6 +142,8 @@ class RunDirConfig:
     name: str = doc("the run directory's name: one folder name of printable characters (empty: made on rank 0 "
                     "with a timestamp)", "")
     tensorboard: bool = doc('write TensorBoard events', True)
+    overwrite: bool = doc('delete what run.dir/run.name holds before a new run starts there (resume=never); '
+                          'without it such a run is refused', False, writes=True)
 
 
 @dataclass
@@ -503,8 +510,31 @@ def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:
     for group in PLUGIN_GROUPS:
         registries[group].get(cfg[group].name).validate_config(cfg[group], cfg)
     check_data_fits_model(cfg, registries)
+    # After the checks of the choices themselves: a wrong data.name is the error, not the keys it ignores.
+    check_ignored(cfg, registries)
     check_image_size(cfg)
     warn_threads(cfg)
+
+
+def check_ignored(cfg: DictConfig, registries: dict[str, Any]) -> None:
+    """A shared key that the selected plugin does not read (its ``ignores``) keeps its default: a value
+    set there would otherwise be accepted and do nothing (``data.root`` for ``digits``)."""
+    for group in PLUGIN_GROUPS:
+        name, registry = str(cfg[group].name), registries[group]
+        cls = registry.get(name)
+        if not cls.ignores:
+            continue
+        defaults = OmegaConf.structured(cls.Config)
+        for key, why in cls.ignores.items():
+            if key not in cfg[group]:
+                continue
+            value, default = _shown(cfg[group], key), _shown(defaults, key)
+            if value == default:
+                continue
+            users = [n for n in registry.names() if key not in registry.get(n).ignores]
+            raise ConfigError(f"{group}.{key}", value, f"{group}.name={name} does not use it ({why})",
+                              f"leave it at its default {default!r} (~{group}.{key} drops a recipe's value)"
+                              + (f"; it is read by {group}.name={', '.join(users)}" if users else ""))
 
 
 def _check_regularizers(cfg: DictConfig, adapter: Any) -> None:

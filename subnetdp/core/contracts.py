@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
 from subnetdp.core.fields import WRITES, doc, writing_keys  # noqa: F401  (re-exported: plugins declare fields with doc)
 
@@ -213,6 +213,7 @@ class Plugin:
 
     Attributes:
         Config: the dataclass mounted under the plugin's group key when it is selected.
+        ignores: shared keys the plugin does not read, with the reason (refused when set).
         config_file: a YAML file of defaults loaded beneath the user's values (built-in plugins use
             ``configs/<group>/<name>.yaml`` instead).
         name: the name the instance was selected by (set by ``Registry.create``).
@@ -220,6 +221,10 @@ class Plugin:
 
     Config: ClassVar[type] = PluginConfig
     config_file: ClassVar[str | None] = None
+    #: Keys of the kind's shared schema (``DataConfig``, ...) that this plugin does not read, each with
+    #: the reason, e.g. ``{"root": "its images ship with scikit-learn"}``: a value other than the
+    #: default is refused, naming the key, the reason and the plugins that do read it.
+    ignores: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -426,6 +431,18 @@ class Communicator(Plugin, abc.ABC):
     def check_machine(cls, name: str) -> None:
         """Raise :class:`ConfigError` if the launching machine lacks what this backend needs (CUDA for
         nccl); called in the launching process before workers start, skipped where they run elsewhere (srun)."""
+
+    @classmethod
+    def device_type(cls, cfg: Any) -> str:
+        """``cpu`` or ``cuda``: what a rank computes on with the ``comm`` section ``cfg``, known before any
+        process exists (``device`` tells the same of an instance). ``train.device`` must agree with it."""
+        return "cpu"
+
+    @classmethod
+    def check_launcher(cls, launcher: str, nproc: int) -> None:
+        """Raise :class:`ConfigError` if ``launcher`` cannot start this backend's ranks; called before it
+        starts any. ``launcher``: ``local`` (``subnetdp train launch.nproc=N``), ``torchrun``, ``mpirun``
+        or ``srun`` (``subnetdp launch``)."""
 
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -38,6 +38,8 @@ class Registry:
         self.kind = kind
         self.entries: dict[str, Entry] = {}
         self._current = "<unknown>"
+        #: name -> why it is missing, for a name that a disabled plugin would register (asked on a miss).
+        self.disabled_reason: Callable[[str], str | None] = lambda name: None
 
     def add(self, name: str, cls: type) -> None:
         """Register ``cls`` under ``name``; a name taken by another plugin is an error naming both."""
@@ -64,6 +66,10 @@ class Registry:
         if name not in self.entries:
             key = key or f"{self.kind}.name"
             choices = ", ".join(sorted(self.entries)) or "(none registered)"
+            disabled = self.disabled_reason(name)
+            if disabled:
+                raise ConfigError(key, name, f"{KIND_WORDS[self.kind]} '{name}' is disabled: {disabled}",
+                                  f"available: {choices}")
             raise ConfigError(key, name, f"unknown {KIND_WORDS[self.kind]}; available: {choices}"
                               + suggest(name, self.entries))
         return self.entries[name].cls
@@ -85,17 +91,24 @@ class PluginManager:
                  extra: Iterable[Any] = ()) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        disabled = {d.strip() for d in os.environ.get(DISABLE_ENV, "").split(",") if d.strip()}
-        disabled.update(disable)
-        for name in disabled:
+        env = os.environ.get(DISABLE_ENV, "")
+        # What disabled each plugin, and how to undo it, for the error that names one of its classes.
+        self._disabled_by = {name: (f"{DISABLE_ENV}={env}", f"take '{name}' out of {DISABLE_ENV}")
+                             for name in (d.strip() for d in env.split(",")) if name}
+        for name in disable:
+            self._disabled_by.setdefault(name, (f"PluginManager(disable=[{name!r}])", "do not pass it in disable"))
+        self._blocked: dict[str, Any] = {}  # disabled entry point name -> its entry point (not loaded)
+        for name in self._disabled_by:
             self.pm.set_blocked(name)
-        self.disabled = sorted(disabled)
+        self.disabled = sorted(self._disabled_by)
         if entry_points:
             self._load_entry_points()
         for obj in extra:
             self.pm.register(obj)
         self.check_pending()
         self.registries = {kind: self._collect(kind) for kind in KIND_BASES}
+        for kind, reg in self.registries.items():
+            reg.disabled_reason = lambda name, kind=kind: self._why_disabled(kind, name)
 
     def check_pending(self) -> None:
         """Refuse a hook implementation whose name is no hook specification (a misspelled hook).
@@ -140,6 +153,7 @@ class PluginManager:
                         f"plugin name '{ep.name}' is claimed by two packages: {owner.metadata['name']} and "
                         f"{dist.metadata['name']}; uninstall one or disable it with {DISABLE_ENV}={ep.name}")
                 if self.pm.is_blocked(ep.name):
+                    self._blocked[ep.name] = ep
                     continue
                 self._dists[ep.name] = dist
                 self.pm.register(ep.load(), name=ep.name)
@@ -156,6 +170,28 @@ class PluginManager:
 
     def get(self, kind: str, name: str) -> type:
         return self.registries[kind].get(name)
+
+    def _why_disabled(self, kind: str, name: str) -> str | None:
+        """Which disabled plugin would register ``name`` as a ``kind``, and what disabled it.
+
+        Asked only for a name that is not registered: the disabled plugins' modules are imported then
+        (not before, since a plugin may be disabled because it does not load) and their registration
+        hook called on a scratch registry. One that fails to load or register is passed over.
+        """
+        hook = hookspecs.REGISTRATION_HOOKS[kind]
+        for plugin, ep in sorted(self._blocked.items()):
+            scratch = Registry(kind)
+            scratch._current = plugin
+            try:
+                register = getattr(ep.load(), hook, None)
+                if register is not None:
+                    register(registry=scratch)
+            except Exception:  # noqa: BLE001 - a plugin that does not load tells nothing
+                continue
+            if name in scratch.entries:
+                by, undo = self._disabled_by[plugin]
+                return f"its plugin '{plugin}' is switched off by {by} ({undo} to use it)"
+        return None
 
     def _package(self, plugin: str) -> tuple[str, str]:
         dist = getattr(self, "_dists", {}).get(plugin)

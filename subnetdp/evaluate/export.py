@@ -185,6 +185,28 @@ def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: u
         fill_buffer(TensorSlice(name), world)
 
 
+#: What a run writes into its directory and never into a checkpoint (both hold config.yaml and plan.json).
+RUN_RECORDS = ("metrics.jsonl", "summary.json", "tensorboard")
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory's newest checkpoint; a run that kept none says so.
+
+    Raises:
+        CheckpointError: for a run directory without ``checkpoints/``, naming how to keep one.
+    """
+    path = Path(path)
+    if not (path / ck.MANIFEST).is_file() and not ck.checkpoints_dir(path).exists():
+        found = [name for name in RUN_RECORDS if (path / name).exists()]
+        if found:
+            raise CheckpointError(
+                f"{path}: a run directory ({', '.join(found)}) whose run kept no checkpoint: "
+                "checkpoint.enabled=false writes none, and checkpoint.final=auto keeps none after a short run "
+                "(fewer than 1000 steps, no checkpoint.every, resume=never) — train it again with "
+                "checkpoint.final=always to keep the final model (or checkpoint.every=N for one every N steps)")
+    return ck.resolve_checkpoint(path)
+
+
 @torch.no_grad()
 def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence[str] = ()) -> LoadedUnion:
     """The union model of a checkpoint (or of a run directory's newest checkpoint), on CPU.
@@ -192,7 +214,7 @@ def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence
     ``data``: ``data.key=value`` overrides naming the data to evaluate on instead of the checkpoint's.
     """
     pm = pm or PluginManager()
-    ckpt = ck.resolve_checkpoint(Path(path))
+    ckpt = find_checkpoint(Path(path))
     manifest = ck.read_manifest(ckpt)
     cfg = _config(ckpt, manifest, pm, data)
     adapter = pm.registries["model"].get(cfg.model.name)(cfg.model)

@@ -83,8 +83,6 @@ def export_hf(path: str | Path, out: str | Path, pm: PluginManager | None = None
 
     ``data``: ``data.key=value`` overrides, as for :func:`subnetdp.evaluate.export.export` (the tokenizer is the data's).
     """
-    from safetensors.torch import save_file
-
     from subnetdp.evaluate.export import load_union
 
     pm = pm or PluginManager()
@@ -101,7 +99,9 @@ def export_hf(path: str | Path, out: str | Path, pm: PluginManager | None = None
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "subnetdp_run_id": str(loaded.manifest["run_id"]),
             "subnetdp_step": str(loaded.manifest["step"])}
-    ck.write_atomic(out / "model.safetensors", lambda p: save_file(state, str(p), metadata=meta))
+    # The project's writer, as for every other file: created with the user's umask (0644), where
+    # safetensors' own save_file leaves it readable by its owner alone (0600).
+    ck.write_atomic(out / "model.safetensors", lambda p: ck.save_safetensors(p, state, meta))
     ck.write_text_atomic(out / "config.json", json.dumps(config, indent=2))
     files = ["config.json", "model.safetensors"]
     if eot is not None:

@@ -225,23 +225,27 @@ def format_budget(result: dict[str, Any]) -> str:
 
     budgets = result["budgets"]
     shown = human_bytes(budgets[0]) if len(set(budgets)) == 1 else ", ".join(human_bytes(b) for b in budgets)
-    lines = [f"memory budget per rank: {shown}"]
+    text = str(result.get("memory", ""))
+    decimal = re.search(r"[0-9.]\s*[kmgt]b\b", text, re.IGNORECASE)
+    lines = [f"memory budget per rank: {shown}" + (f" (--memory {text}: GB and MB are decimal, 10^9 and 10^6 bytes; "
+                                                     "GiB and MiB are 2^30 and 2^20, as GPU memory is counted)"
+                                                     if decimal else "")]
     for t in result["tried"]:
         what = ", ".join(f"{k}={v}" for k, v in t["overrides"].items() if k != "masker.capacity" or v)
         if t["probe"] is not None:
             what += f" (probe: one rank at coverage {t['probe']:.4g})"
         lines.append(f"  dry run {what}: " + (f"max peak {human_bytes(t['max_peak_bytes'])}" if "max_peak_bytes" in t
-                                             else f"invalid ({t['invalid'][:100]})"))
+                                             else f"invalid ({t['invalid']})"))
     if result.get("fits"):
         if "coverage" in result:
             nxt = result.get("next_coverage")
-            lines.append(f"answer: masker.coverage={result['coverage']:.6g} fits every rank (max peak "
+            lines.append(f"answer: masker.coverage={result['coverage']:.6g} fits every rank's {shown} (max peak "
                          f"{human_bytes(result['max_peak_bytes'])})" + (
                              f"; the next larger coverage {nxt:.6g} needs {human_bytes(result['next_max_peak_bytes'])}"
                              if nxt is not None and result.get("next_max_peak_bytes") else
                              "; it is the whole model" if nxt is None else ""))
         else:
-            lines.append(f"answer: {result['overrides'][0]} (each rank's largest coverage within its budget)")
+            lines.append(f"answer: {result['overrides'][0]} (each rank's largest coverage within its budget: {shown})")
         lines.append("run with: " + " ".join(result["overrides"]))
     else:
         if result.get("capacity") and result.get("invalid"):

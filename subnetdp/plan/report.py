@@ -96,6 +96,7 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     report["failures"] = failure_tolerance(cfg, pm, partition, plan.replicas(shard))
     if estimate:
         report["flops"] = flop_report(cfg, adapter, spec, partition, plan.replicas(shard), data)
+    report["assumes"] = assumptions(cfg, spec)
     estimator = estimator_for(cfg)
     cache: dict[tuple, dict[str, Any]] = {}
     batch = data.example_batch(spec, int(cfg.train.batch_size)) if estimate else None
@@ -234,6 +235,26 @@ def rank_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def assumptions(cfg: DictConfig, spec: DataSpec) -> dict[str, Any]:
+    """What the memory estimate of one training step depends on beyond the plan, from the config."""
+    return {"precision": str(cfg.train.precision), "micro_batch": int(cfg.train.batch_size),
+            "grad_accum": int(cfg.train.grad_accum), "seq_len": int(spec.seq_len),
+            "activation_checkpointing": int(cfg.train.activation_checkpointing),
+            "optimizer": str(cfg.optim.name)}
+
+
+def assumptions_line(a: dict[str, Any]) -> str:
+    """``estimates assume: fp32 (train.precision), micro-batch 32 per rank (train.batch_size), ...``."""
+    ac = a["activation_checkpointing"]
+    parts = [f"{a['precision']} (train.precision)",
+             f"micro-batch {a['micro_batch']} per rank (train.batch_size; train.grad_accum={a['grad_accum']} "
+             "micro-batches per step, one at a time in memory)"]
+    parts += [f"sequence length {a['seq_len']} (data.seq_len)"] if a["seq_len"] else []
+    parts += [f"activation checkpointing {'on' if ac else 'off'} (train.activation_checkpointing={ac})",
+              f"{a['optimizer']} optimizer state (optim.name)"]
+    return "estimates assume: " + ", ".join(parts)
+
+
 def format_report(report: dict[str, Any]) -> str:
     counts = [len(u["owners"]) for u in report["units"]]
     spec = ", ".join(f"{k} {v}" for k, v in report["data_spec"].items() if v)
@@ -242,6 +263,7 @@ def format_report(report: dict[str, Any]) -> str:
              + (f"capacity per rank {cap}" if cap else f"coverage {report['coverage']:g}")
              + f", {report['world_size']} ranks, digest {report['digest']}",
              f"data shape: {spec or 'none'} (from the {report['data_source']})",
+             *([assumptions_line(report["assumes"])] if "peak_memory_bytes" in report["ranks"][0] else []),
              ownership_table(report),
              f"owner counts: min {min(counts)}, max {max(counts)}, mean {sum(counts) / len(counts):.2f}; "
              f"{report['owner_sets']} distinct owner sets "

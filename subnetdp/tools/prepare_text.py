@@ -2,17 +2,14 @@
 
 Inputs are files or directories (a directory is searched recursively for ``.txt``, ``.jsonl``,
 ``.parquet`` and ``.py`` files, in sorted order), ``--stdlib`` (this Python's standard library), or
-``--fineweb N``, which downloads files of FineWeb's ``sample-10BT`` from the Hugging Face hub over
-HTTPS and tokenises them. Documents, tokenizers and the shard format are those of
+``--fineweb N``, which downloads files of FineWeb's ``sample-10BT`` from the Hugging Face hub with
+``huggingface_hub`` and tokenises them. Documents, tokenizers and the shard format are those of
 :mod:`subnetdp.plugins.data.corpus`, which the ``tokens`` data plugin reads back.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import urllib.request
+import logging
 from pathlib import Path
 from typing import Iterable
 
@@ -35,45 +32,55 @@ def input_files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def _hub_failure(e: Exception) -> str:
+    """One line for what went wrong talking to the hub (its errors can span lines)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 def download_fineweb(out: str | Path, files: int = 1) -> list[Path]:
     """Download the first ``files`` parquet files (about 2 GB each) of FineWeb ``sample-10BT``.
 
-    The file list comes from the Hugging Face hub's tree API; each file is streamed to a ``.part``
-    name and renamed when complete, so a finished file is never fetched twice and an interrupted one
-    is fetched again. Uses ``HF_ENDPOINT`` (default ``https://huggingface.co``) and ``HF_TOKEN`` if set.
-    Not exercised by the tests (no internet there).
+    Through ``huggingface_hub`` (the ``llm`` extra): its resumable downloads and its own settings,
+    ``HF_ENDPOINT`` (a mirror), ``HF_TOKEN`` or a stored login, ``HF_HUB_OFFLINE``. The files land in
+    ``out`` (``huggingface_hub``'s ``local_dir``), so a finished file is not fetched again and an
+    interrupted one resumes. Not exercised against the real hub by the tests (no internet there);
+    the errors without a network are.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    headers = {"User-Agent": "subnetdp"}
-    if os.environ.get("HF_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
-
-    def get(url: str):
-        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60)
-
     try:
-        with get(f"{endpoint}/api/datasets/{FINEWEB_REPO}/tree/main/{FINEWEB_DIR}") as r:
-            listing = json.load(r)
-    except OSError as e:
-        raise SubnetdpError(f"prepare-text --fineweb: cannot list {endpoint}/datasets/{FINEWEB_REPO} ({e}); "
-                            "this needs internet access (or HF_ENDPOINT pointing at a mirror)") from None
-    names = sorted(item["path"] for item in listing if str(item.get("path", "")).endswith(".parquet"))
+        import huggingface_hub as hub
+    except ImportError:
+        raise SubnetdpError("prepare-text --fineweb needs huggingface_hub: pip install 'subnetdp[llm]'") from None
+    from huggingface_hub import constants
+
+    where = f"{constants.ENDPOINT}/datasets/{FINEWEB_REPO}"
+    advice = ("this needs internet access, or HF_ENDPOINT pointing at a mirror (or the files already in "
+              f"{Path(out) / FINEWEB_DIR} and --fineweb no larger than their number)")
+    out = Path(out)
+    # The hub retries an unreachable endpoint for about 20 s, logging each retry (through loggers that
+    # other libraries may have given levels of their own); the answer is the one line below.
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        listing = hub.HfApi().list_repo_tree(FINEWEB_REPO, path_in_repo=FINEWEB_DIR, repo_type="dataset")
+        names = sorted(item.path for item in listing if item.path.endswith(".parquet"))
+    except Exception as e:  # noqa: BLE001 - the hub's HTTP client raises its own network errors
+        have = sorted((out / FINEWEB_DIR).glob("*.parquet"))
+        if len(have) >= files:  # offline, or the hub unreachable: what an earlier run downloaded serves
+            return have[:files]
+        raise SubnetdpError(f"prepare-text --fineweb: cannot list {where} ({_hub_failure(e)}); {advice}") from None
+    finally:
+        logging.disable(disabled)
     if files > len(names):
         raise SubnetdpError(f"prepare-text --fineweb {files}: {FINEWEB_DIR} holds only {len(names)} files")
     paths = []
     for remote in names[:files]:
-        dest = out / Path(remote).name
-        paths.append(dest)
-        if dest.is_file():
-            continue
-        url = f"{endpoint}/datasets/{FINEWEB_REPO}/resolve/main/{remote}"
-        print(f"downloading {url}", flush=True)
-        part = dest.with_suffix(".part")
-        with get(url) as r, open(part, "wb") as f:
-            shutil.copyfileobj(r, f, length=1 << 22)
-        os.replace(part, dest)
+        print(f"downloading {where}/{remote}", flush=True)
+        try:
+            paths.append(Path(hub.hf_hub_download(FINEWEB_REPO, remote, repo_type="dataset", local_dir=out)))
+        except Exception as e:  # noqa: BLE001 - as above
+            raise SubnetdpError(f"prepare-text --fineweb: cannot download {where}/{remote} ({_hub_failure(e)}); "
+                                f"{advice}") from None
     return paths
 
 
@@ -86,7 +93,7 @@ def add_prepare_text_arguments(p) -> None:
     p.add_argument("--stdlib", action="store_true", help="use this Python's standard library as the corpus")
     p.add_argument("--fineweb", type=int, default=0, metavar="N",
                    help="download the first N parquet files (~2 GB each) of FineWeb sample-10BT into OUT/raw "
-                        "and tokenise them (needs internet and pyarrow)")
+                        "with huggingface_hub and tokenise them (needs internet and the llm extra)")
     p.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes",
                    help="bytes: UTF-8 bytes, vocabulary 257 (default); bpe: HF tokenizers byte-level BPE")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary when training one (default 4096)")

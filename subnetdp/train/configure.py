@@ -19,7 +19,7 @@ from subnetdp.core import config as core_config
 from subnetdp.launchers import init_method, nodes
 from subnetdp.parallel import fsdp
 from subnetdp.sdp import local_steps
-from subnetdp.train import downstream, optim
+from subnetdp.train import downstream, optim, upfront
 from subnetdp.train.checkpoints import resume
 
 
@@ -32,6 +32,7 @@ def check_config(cfg: DictConfig, registries: dict[str, Any]) -> None:
     fsdp.check_config(cfg, registries)
     local_steps.check_config(cfg)
     downstream.check_config(cfg, registries)
+    upfront.check_config(cfg, registries)
 
 
 def validate(cfg: DictConfig, registries: dict[str, Any]) -> None:

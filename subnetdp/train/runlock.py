@@ -1,15 +1,21 @@
 """One job per run directory: an exclusive lock held for the job's lifetime.
 
-Rank 0 of a job takes ``RUN_DIR/.lock`` with ``fcntl.flock`` before anything is written there and
-keeps the file open until the job ends. The kernel releases the lock when the holder exits, however
-it exits (a SIGKILL included), so a crashed job never leaves a stale lock. A second job started on
-the same run directory, for example while the workers of a killed launcher go on, finds the lock
-taken and stops with the holder's host, process id, start time and command, which the holder writes
-into the file.
+The lock is ``RUN_DIR/.lock``, taken with ``fcntl.flock`` before anything is written there and kept
+open until the job ends. The kernel releases it when the holder exits, however it exits (a SIGKILL
+included), so a crashed job never leaves a stale lock. A second job started on the same run
+directory finds the lock taken and stops with the holder's host, process id, start time and
+command, which the holder writes into the file.
 
-The plain launcher (``subnetdp train launch.nproc=N``) checks the lock once before it starts any
-worker (:func:`check_free`), so a busy run directory fails at once with exit code 2; the lock itself
-is held by rank 0, which lives as long as the job's work does.
+Who holds it:
+
+- a launcher this project runs (``subnetdp train launch.nproc=N``, ``subnetdp launch`` with
+  torchrun on one node) takes it *before any worker exists* (:func:`hold_for_workers`), so a second
+  launcher on the same run directory stops before it starts anything, however close together the two
+  were started. It names the lock and its own process id to its workers in :data:`HOLDER_ENV`;
+- otherwise (torchrun, mpirun or srun started by hand, one process) rank 0 of the job takes it when
+  the process group exists. Rank 0 of a launcher's workers takes nothing: :class:`RunLock` accepts the
+  lock of the launcher it descends from (checked against the lock file and the process tree) as the
+  job's. On several nodes only rank 0 does either, so the lock is the job's, not a node's.
 """
 
 from __future__ import annotations
@@ -19,24 +25,52 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 from subnetdp.core.errors import SubnetdpError
 
 LOCK_FILE = ".lock"
+#: ``PID:PATH``: the launching process PID holds the lock file PATH for the workers it starts.
+HOLDER_ENV = "SUBNETDP_RUN_LOCK"
 
 
 class RunLockedError(SubnetdpError):
     """Another live job holds the run directory."""
 
 
-def _holder(f: IO[str]) -> str:
+def job_id() -> str:
+    """The id of the job this process belongs to, where its launcher gives one (torchrun's run id).
+
+    torchrun keeps it across the restarts of one job (a failure, or nodes joining or leaving), so a
+    restarted group recognises the run directory its first group started; ``none`` is torchrun's
+    default for every job and tells nothing.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if run_id in ("", "none") else run_id
+
+
+def _read_info(f: IO[str]) -> dict[str, Any]:
     f.seek(0)
     try:
         info = json.loads(f.read() or "{}")
     except ValueError:
-        info = {}
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def lock_info(run_dir: Path) -> dict[str, Any]:
+    """What the newest holder wrote into ``run_dir``'s lock file (empty when there is none)."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file() or path.is_symlink():
+        return {}
+    with open(path, "r", encoding="utf-8") as f:
+        return _read_info(f)
+
+
+def _holder(f: IO[str]) -> str:
+    info = _read_info(f)
     if not info:
         return "another process (it wrote no details)"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("time", 0)))
@@ -59,24 +93,59 @@ def _busy(run_dir: Path, f: IO[str]) -> RunLockedError:
                           "directory — wait for it to finish, stop it, or choose another run.name")
 
 
+def _ancestors() -> set[int]:
+    """This process and the processes it descends from (Linux: from /proc; elsewhere: the parent)."""
+    found = {os.getpid()}
+    pid = os.getppid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
+def _held_by_our_launcher(path: Path, f: IO[str]) -> bool:
+    """The lock on ``path`` is held by the launcher this process descends from (see :data:`HOLDER_ENV`)."""
+    pid, _, named = os.environ.get(HOLDER_ENV, "").partition(":")
+    if not pid.isdigit() or not named:
+        return False
+    try:
+        same_file = Path(named).resolve() == path.resolve()
+    except OSError:
+        return False
+    return same_file and _read_info(f).get("pid") == int(pid) and int(pid) in _ancestors()
+
+
 class RunLock:
-    """The exclusive lock on a run directory; :meth:`release` (or the process's exit) frees it."""
+    """The exclusive lock on a run directory; :meth:`release` (or the process's exit) frees it.
+
+    A lock already held by the launcher this process descends from is accepted as the job's
+    (``handed_over``): the launcher keeps it, and its record in the file stays as it is.
+    """
 
     def __init__(self, run_dir: Path, wait_s: float = 0.0) -> None:
         self.path = Path(run_dir) / LOCK_FILE
+        self.handed_over = False
         if self.path.is_symlink():
             raise SubnetdpError(f"{self.path}: is a symbolic link: remove it (the lock file is the run's own)")
         self._file: IO[str] | None = open(self.path, "a+", encoding="utf-8")
+        locked = _try_lock(self._file)
+        if not locked and _held_by_our_launcher(self.path, self._file):
+            self.handed_over = True
+            return
         deadline = time.monotonic() + wait_s
-        while not _try_lock(self._file) and time.monotonic() < deadline:
+        while not locked and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not _try_lock(self._file):
+            locked = _try_lock(self._file)
+        if not locked:
             err = _busy(Path(run_dir), self._file)
             self._file.close()
             self._file = None
             raise err
         info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                                "argv": [Path(sys.argv[0]).name, *sys.argv[1:]]}
+                                "argv": [Path(sys.argv[0]).name, *sys.argv[1:]], "job": job_id()}
         self._file.seek(0)
         self._file.truncate()
         self._file.write(json.dumps(info))
@@ -84,15 +153,46 @@ class RunLock:
 
     def release(self) -> None:
         if self._file is not None:
-            self._file.close()  # closing the descriptor drops the flock
+            self._file.close()  # closing the descriptor drops the flock (a handed-over lock stays the launcher's)
             self._file = None
 
 
 def check_free(run_dir: Path) -> None:
-    """Raise :class:`RunLockedError` if a live job holds ``run_dir`` (checked, not taken)."""
+    """Raise :class:`RunLockedError` if a live job other than this process's own launcher holds ``run_dir``
+    (checked, not taken)."""
     path = Path(run_dir) / LOCK_FILE
     if not path.is_file() or path.is_symlink():
         return
     with open(path, "r", encoding="utf-8") as f:
-        if not _try_lock(f):
+        if not _try_lock(f) and not _held_by_our_launcher(path, f):
             raise _busy(Path(run_dir), f)
+
+
+def launcher_holds(run_dir: Path) -> bool:
+    """Whether the launcher this process descends from holds ``run_dir``'s lock for its workers (it
+    then made the checks that precede a run there)."""
+    path = Path(run_dir) / LOCK_FILE
+    if not os.environ.get(HOLDER_ENV) or not path.is_file() or path.is_symlink():
+        return False
+    with open(path, "r", encoding="utf-8") as f:
+        return not _try_lock(f) and _held_by_our_launcher(path, f)
+
+
+@contextmanager
+def hold_for_workers(run_dir: Path) -> Iterator[RunLock]:
+    """Take ``run_dir``'s lock in a launching process and name it to the workers it starts.
+
+    Raises :class:`RunLockedError` at once when a live job holds it; creates ``run_dir``.
+    """
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    lock = RunLock(Path(run_dir))
+    saved = os.environ.get(HOLDER_ENV)
+    os.environ[HOLDER_ENV] = f"{os.getpid()}:{lock.path.resolve()}"
+    try:
+        yield lock
+    finally:
+        if saved is None:
+            os.environ.pop(HOLDER_ENV, None)
+        else:
+            os.environ[HOLDER_ENV] = saved
+        lock.release()

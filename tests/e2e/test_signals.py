@@ -160,3 +160,35 @@ def test_ctrl_c_and_sigkill_of_subnetdp_launch_under_torchrun(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert not _gone_within(below | workers, 5), "torchrun or workers outlived subnetdp launch"
+
+
+def _rank_of(pid: int) -> int | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    rank = next((item[5:] for item in env if item.startswith(b"RANK=")), b"")
+    return int(rank) if rank.isdigit() else None
+
+
+def test_a_stalled_peer_under_sigterm_is_named_while_the_launcher_waits_and_when_it_gives_up(tmp_path):
+    # Rank 1 is stopped (SIGSTOP), so it never reaches the step boundary and rank 0 waits for it in
+    # the gradient all-reduce: SIGTERM to the launcher cannot end the run cleanly. The launcher says
+    # what it waits for while it waits, and who it killed and why when launch.stop_timeout_s runs out.
+    proc, workers = _start([*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=stalled",
+                            "masker.coverage=1", "launch.stop_timeout_s=4"], tmp_path / "stalled")
+    ranks = {_rank_of(p): p for p in workers}
+    try:
+        os.kill(ranks[1], signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        for p in _alive(workers):
+            os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert not _gone_within(workers, 5)
+    stalled = f"rank 1 (pid {ranks[1]}) is stopped (state T: SIGSTOP"
+    waiting = [ln for ln in err.splitlines() if ln.startswith("subnetdp: SIGTERM ") and "waiting for 2 of 2 workers" in ln]
+    assert waiting and stalled in waiting[0] and "killed in" in waiting[0], err[-3000:]
+    assert f"rank 0 (pid {ranks[0]}) is " in waiting[0]
+    verdict = [ln for ln in err.splitlines() if ln.startswith("subnetdp: gave up waiting 4 s (launch.stop_timeout_s) "
+                                                             "after SIGTERM")]
+    assert len(verdict) == 1 and stalled in verdict[0] and "killed them (SIGKILL)" in verdict[0], err[-3000:]
+    assert "Traceback" not in err

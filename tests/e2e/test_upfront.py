@@ -43,6 +43,18 @@ def test_bad_input_is_one_line_before_any_worker(capsys, tmp_path):
     assert "foo={'a': 1}: unknown top-level key" in _error(capsys, *TRAIN, "foo={a: 1}")
     assert "checkpoint.final='sometimes': valid choices: auto, always, never" in _error(
         capsys, *TRAIN, "checkpoint.final=sometimes")
+    # What the chosen communicator computes on, and who can start it, is known before any worker exists.
+    assert _error(capsys, *TRAIN, f"run.dir={tmp_path}", "train.device=cuda") == (
+        "subnetdp: error: train.device='cuda': comm.name=gloo computes on cpu — use comm.name=nccl for GPUs "
+        "(comm.device=cuda with comm.name=mpi), or train.device=auto")
+    assert _error(capsys, *TRAIN, f"run.dir={tmp_path}", "comm.name=mpi") == (
+        "subnetdp: error: comm.name='mpi': needs the MPI world of mpirun, not launch.nproc=2, whose workers torch's "
+        "elastic launcher starts — start it with subnetdp launch --launcher mpirun --nproc 2 RECIPE [key=value ...], "
+        "or use comm.name=gloo")
+    if not torch.cuda.is_available():
+        assert "comm.device='cuda': computes on a CUDA GPU, but this machine has none visible" in _error(
+            capsys, "launch", "--launcher", "mpirun", "--nproc", "2", "--dry-run", "resnet18_digits",
+            f"run.dir={tmp_path}", "comm.name=mpi", "comm.device=cuda")
     assert not list(tmp_path.iterdir())  # nothing was created for the refused runs
     # The coverage warning: one formatted line for all groups.
     assert cli.main(["plan", "resnet18_digits", "masker.coverage=0.01", "-n", "2", "--no-estimate"]) == 0

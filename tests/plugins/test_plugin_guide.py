@@ -39,6 +39,17 @@ def test_guide_lists_every_kind_and_a_table_of_contents():
     assert "docs/plugins.md" in (REPO / "README.md").read_text(encoding="utf-8")
 
 
+def test_guide_lists_the_shared_keys_of_every_kind_as_the_code_has_them():
+    import dataclasses
+
+    from subnetdp.core.contracts import CommConfig, DataConfig, MaskerConfig, ModelConfig
+
+    text = " ".join(GUIDE.read_text(encoding="utf-8").split())
+    for shared in (MaskerConfig, CommConfig, ModelConfig, DataConfig):
+        keys = ", ".join(f.name for f in dataclasses.fields(shared))
+        assert f"`{shared.__name__}` has `{keys}`" in text, (shared.__name__, keys)
+
+
 def test_adapter_built_from_the_guide_trains_on_two_gloo_ranks(tmp_path):
     files = guide_files()
     assert set(files) == {"pyproject.toml", "src/subnetdp_resmlp/__init__.py", "src/subnetdp_resmlp/resmlp.py"}

@@ -10,7 +10,8 @@ import pytest
 
 from subnetdp.core import hookspecs
 from subnetdp.core.contracts import LaunchEnv
-from subnetdp.core.errors import SubnetdpError
+from subnetdp.cli import main
+from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.train.loop import train
 from subnetdp.core.plugins import PluginManager
@@ -88,6 +89,23 @@ def test_disable_by_name(monkeypatch):
     assert "digits" in pm.registries["data"].names()
     rest = PluginManager(disable=["digits"]).registries["data"].names()
     assert rest == sorted(set(pm.registries["data"].names()) - {"digits"})  # both disabled, the others stay
+
+
+def test_a_disabled_plugin_is_named_as_disabled_and_by_what(monkeypatch, capsys):
+    monkeypatch.setenv("SUBNETDP_DISABLE_PLUGINS", "digits, swin")
+    assert main(["plan", "resnet18_digits", "-n", "2", "--no-estimate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("subnetdp: error: data.name='digits': dataset 'digits' is disabled: its plugin 'digits' is "
+                          "switched off by SUBNETDP_DISABLE_PLUGINS=digits, swin (take 'digits' out of "
+                          "SUBNETDP_DISABLE_PLUGINS to use it) — available: ") and err.count("\n") == 1, err
+    monkeypatch.delenv("SUBNETDP_DISABLE_PLUGINS")
+    # A plugin that registers several names (cifar: cifar10, cifar100), disabled from Python.
+    data = PluginManager(disable=["cifar"]).registries["data"]
+    with pytest.raises(ConfigError, match=r"^data.name='cifar100': dataset 'cifar100' is disabled: its plugin "
+                                          r"'cifar' is switched off by PluginManager\(disable=\['cifar'\]\)"):
+        data.get("cifar100")
+    with pytest.raises(ConfigError, match=r"^data.name='digitz': unknown dataset; available: .* did you mean 'digits'"):
+        data.get("digitz")  # a name no plugin registers stays unknown
 
 
 def test_plugins_command_lists_builtins():

@@ -123,6 +123,10 @@ def test_typo_in_the_plugin_key_is_a_clear_error(installed: Installed) -> None:
     assert "did you mean 'offset'" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (installed.tmp / "typo-runs").exists()  # it stopped before making a run directory
+    # The README and the template's README show this very line (they went stale as keys were added).
+    line = result.stderr.strip().splitlines()[-1]
+    for readme in (REPO / "README.md", REPO / "examples" / "plugin-template" / "README.md"):
+        assert line in readme.read_text(encoding="utf-8"), (readme, line)
 
 
 # --------------------------------------------------------------------------- the masker itself

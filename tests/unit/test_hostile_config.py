@@ -79,6 +79,9 @@ CONTRADICTIONS = {  # overrides -> the one line that refuses them (each was acce
     ("comm.timeout_s=1e308",): "comm.timeout_s=1e+308: must be in [1.0, 604800.0] — 600 is the default",
     ("launch.threads_per_rank=100000",):
         "launch.threads_per_rank=100000: must be in [0, 1024] — 0 shares the cores evenly among the local ranks",
+    ("run.name=x", "run.overwrite=true", "resume=auto"):
+        "run.overwrite=True: would delete the run that resume=auto continues from — drop run.overwrite to continue "
+        "the run, or resume=never to start it again",
     ('run.name="exp\\n1"',):  # YAML's double quotes: a real newline inside the name
         "run.name='exp\\n1': holds the control character U+000A; a run name is one line of printable characters "
         "— use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)",
@@ -90,3 +93,29 @@ def test_contradictions_and_values_out_of_range_are_refused_in_one_line(override
     with pytest.raises(ConfigError) as e:
         load_config("resnet18_digits", list(overrides), plugin_manager().registries)
     assert str(e.value) == CONTRADICTIONS[overrides]
+
+
+IGNORED = {  # a shared key the selected plugin does not read, set anyway -> its one line (each was accepted before)
+    ("data.root=/nowhere",):
+        "data.root='/nowhere': data.name=digits does not use it (its images ship with scikit-learn) — leave it at "
+        "its default '' (~data.root drops a recipe's value); it is read by data.name=cifar10, cifar100, imagenet, tokens",
+    ("data.name=synthetic", "data.root=data"):
+        "data.root='data': data.name=synthetic does not use it (it makes its images from the seed; nothing is read "
+        "from disk) — leave it at its default '' (~data.root drops a recipe's value); it is read by data.name=cifar10, "
+        "cifar100, imagenet, tokens",
+    ("comm.name=local", "comm.timeout_s=5"):
+        "comm.timeout_s=5.0: comm.name=local does not use it (it runs one process: no collective ever waits) — leave "
+        "it at its default 600.0 (~comm.timeout_s drops a recipe's value); it is read by comm.name=gloo, nccl",
+    ("masker.name=balanced", "masker.capacity=[0.5,1.0]"):
+        "masker.capacity=[0.5, 1.0]: masker.name=balanced does not use it (it sets owner counts from the units' "
+        "costs, not per-rank coverages) — leave it at its default [] (~masker.capacity drops a recipe's value); it is "
+        "read by masker.name=cyclic, random",
+}
+
+
+@pytest.mark.parametrize("overrides", list(IGNORED), ids=lambda o: " ".join(o))
+def test_a_key_the_selected_plugin_ignores_cannot_be_set(overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config("resnet18_digits", list(overrides), plugin_manager().registries)
+    assert str(e.value) == IGNORED[overrides]
+    load_config("resnet18_digits", list(overrides[:-1]), plugin_manager().registries)  # at its default, it is fine

@@ -331,3 +331,15 @@ def test_a_damaged_summary_stops_resume_auto_in_one_line(summary, expected, tmp_
                                    "train.steps=2", "optim.warmup_steps=0", "comm.name=local"])
     assert f"{run / 'summary.json'}: {expected}" in err and "delete" in err, err
     assert [p.name for p in run.iterdir()] == ["summary.json"]  # nothing started
+
+
+def test_eval_of_a_run_that_kept_no_checkpoint_says_so_and_how_to_keep_one(source, tmp_path, capsys):
+    # A run's own files without its checkpoints/: what checkpoint.enabled=false or a short run leaves.
+    run = tmp_path / "nockpt"
+    shutil.copytree(source, run, ignore=shutil.ignore_patterns("checkpoints"))
+    assert (run / "config.yaml").is_file() and not (run / "checkpoints").exists()
+    for argv in (["eval", str(run)], ["export", str(run), str(tmp_path / "out")]):
+        err = _one_line_error(capsys, argv)
+        assert err.startswith(f"subnetdp: error: {run}: a run directory (metrics.jsonl, ") and "kept no checkpoint" in err
+        assert "checkpoint.final=always" in err, err
+    assert "no such checkpoint or run directory" in _one_line_error(capsys, ["eval", str(tmp_path / "missing")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.loop import train
 from subnetdp.sdp.union import evaluate
 from subnetdp.evaluate.export import export, load_reference
+from subnetdp.evaluate.hf import export_hf
 from subnetdp.plugins.models.llama.model import Llama, LlamaArgs
 from tests.helpers import plugin_manager, small_config
 
@@ -34,3 +36,12 @@ def test_llama_export_round_trip(tmp_path):
         assert metrics["loss"] == pytest.approx(run.result.eval_metrics["loss"], rel=1e-6)
     for (n, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
         assert torch.equal(a, b), n
+
+    # The Hugging Face export: every file, the weights included, has the mode the user's umask gives
+    # any new file (0644 under umask 022), so others can read a model shared from this folder.
+    out, files = export_hf(ckpt, tmp_path / "hf", pm=plugin_manager())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert "model.safetensors" in files
+    assert {f: (out / f).stat().st_mode & 0o777 for f in files} == {f: 0o666 & ~umask for f in files}
+    assert set(load_file(str(out / "model.safetensors"))) and (out / "config.json").is_file()

@@ -20,7 +20,9 @@ RECIPES = sorted(p.stem for p in (config_root() / "recipes").glob("*.yaml"))
 def test_plan_needs_no_dataset_on_disk(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no data/ folder, no runs/data cache: nothing on disk
     pm = plugin_manager()
-    cfg = load_config(recipe, ["data.root=" + str(tmp_path / "absent")] if "stdlib" not in recipe else [], pm.registries)
+    reads_root = "root" not in pm.registries["data"].get(load_config(recipe, [], pm.registries).data.name).ignores
+    cfg = load_config(recipe, ["data.root=" + str(tmp_path / "absent")] if reads_root and "stdlib" not in recipe else [],
+                      pm.registries)
     report = plan_report(cfg, 8, pm, estimate=False)
     assert report["data_source"].startswith("config"), report["data_source"]
     assert report["world_size"] == 8 and len(report["owned"]) == 8

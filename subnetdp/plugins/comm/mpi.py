@@ -80,6 +80,8 @@ class MpiCommunicator(Communicator):
     """mpi4py: CPU tensors without copies, CUDA tensors directly or through pinned host buffers."""
 
     Config = MpiConfig
+    ignores = {"init_method": "MPI's own launcher makes the world; there is no rendezvous",
+               "timeout_s": "MPI's collectives take no timeout"}
 
     def __init__(self, cfg: Any, env: Any) -> None:
         super().__init__(cfg, env)
@@ -94,6 +96,20 @@ class MpiCommunicator(Communicator):
         if cfg is not None and str(cfg.train.device) not in ("auto", str(node.device)):
             raise ConfigError("train.device", cfg.train.device, f"comm.device={node.device} holds the tensors",
                               f"set comm.device={cfg.train.device} too, or train.device=auto")
+
+    @classmethod
+    def device_type(cls, cfg: Any) -> str:
+        return "cuda" if str(cfg.device) == "cuda" else "cpu"
+
+    @classmethod
+    def check_launcher(cls, launcher: str, nproc: int) -> None:
+        if launcher == "mpirun":
+            return
+        how = (f"launch.nproc={nproc}, whose workers torch's elastic launcher starts" if launcher == "local"
+               else launcher)
+        raise ConfigError("comm.name", "mpi", f"needs the MPI world of mpirun, not {how}",
+                          (f"start it with subnetdp launch --launcher mpirun --nproc {nproc} RECIPE [key=value ...], "
+                           "or use comm.name=gloo") if launcher == "local" else "use --launcher mpirun, or comm.name=gloo")
 
     @property
     def device(self) -> torch.device:

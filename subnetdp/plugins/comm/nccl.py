@@ -34,6 +34,10 @@ class NcclCommunicator(TorchDistCommunicator):
                               "use train.device=auto (or cuda), or comm.name=gloo to train on CPUs")
 
     @classmethod
+    def device_type(cls, cfg: Any) -> str:
+        return "cuda"
+
+    @classmethod
     def check_machine(cls, name: str = "nccl") -> None:
         """CUDA and NCCL on this machine; called in the launching process before workers start."""
         if not torch.cuda.is_available():

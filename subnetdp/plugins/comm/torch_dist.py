@@ -40,7 +40,7 @@ def _is_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or "deadline" in text
 
 
-#: What gloo, NCCL and the TCP store say when the process at the other end is gone (killed, crashed, its node left).
+#: What gloo, NCCL and the TCP store say when the process at the other end is gone (killed, crashed).
 PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
              "socket closed", "end of file", "remote process exited")
 

@@ -29,6 +29,7 @@ class DigitsData(DataModule):
     """scikit-learn's digits as 1-channel images, normalised with the training split's statistics."""
 
     Config = DigitsConfig
+    ignores = {"root": "its images ship with scikit-learn"}
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:

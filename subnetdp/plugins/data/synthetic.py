@@ -26,6 +26,7 @@ class SyntheticData(DataModule):
     """Gaussian images; the label is the argmax of a fixed random linear map of the image."""
 
     Config = SyntheticConfig
+    ignores = {"root": "it makes its images from the seed; nothing is read from disk"}
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:

@@ -134,6 +134,7 @@ class TokensData(DataModule):
 
     Config = TokensConfig
     data_kind = "tokens"
+    ignores = {"image_size": "it yields token windows, whose length is data.seq_len"}
 
     @classmethod
     def conformance_overrides(cls, tmp_path: Any) -> list[str]:

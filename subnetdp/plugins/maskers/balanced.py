@@ -11,7 +11,6 @@ reports each rank's cost (``cost_per_rank`` in ``plan.json`` and ``subnetdp plan
 from __future__ import annotations
 
 from subnetdp.core.contracts import Masker, MaskerConfig, Partition
-from subnetdp.core.errors import ConfigError
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.core.plan import MaskPlan, group_units, units_kept
 
@@ -20,12 +19,7 @@ class BalancedMasker(Masker):
     """Cost-balanced unit sets (greedy longest-processing-time over the adapter's unit costs)."""
 
     Config = MaskerConfig
-
-    @classmethod
-    def validate_config(cls, cfg, root) -> None:
-        if cfg.capacity:
-            raise ConfigError("masker.capacity", list(cfg.capacity), "the balanced masker sets owner counts, not "
-                              "per-rank coverages", "use masker.name=cyclic or random with masker.capacity")
+    ignores = {"capacity": "it sets owner counts from the units' costs, not per-rank coverages"}
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
         k = min(world_size, max(int(self.cfg.min_owners), units_kept(float(self.cfg.coverage), world_size)))

@@ -1,0 +1,65 @@
+"""What the informational commands print: whole sentences, whole lines, stated assumptions and units."""
+
+from __future__ import annotations
+
+from subnetdp.cli import main, recipe_summary
+from subnetdp.core.config import config_root
+from subnetdp.plan.budget import format_budget
+from subnetdp.plan.report import format_report, plan_report
+from tests.helpers import plugin_manager, small_config
+
+
+def test_recipes_lists_each_recipe_by_its_whole_first_sentence(capsys):
+    assert main(["recipes"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # wrapped lines joined back
+    recipes = sorted((config_root() / "recipes").glob("*.yaml"))
+    for path in recipes:
+        about = recipe_summary(path.read_text())
+        assert about.endswith(".") and f"{path.stem} {about}" in out, (path.stem, about)
+    # A first line that runs on into the next one is read to the end of its sentence.
+    assert recipe_summary("# ResNet-18 on CIFAR-10, block-level SDP at coverage 0.5 (every block held by\n"
+                          "# 2 of the 4 ranks). The usual schedule: SGD, e.g. 200 epochs.\n#\n# Data: ...\n") == \
+        "ResNet-18 on CIFAR-10, block-level SDP at coverage 0.5 (every block held by 2 of the 4 ranks)."
+
+
+def test_plan_states_what_its_estimate_assumes():
+    cfg = small_config("train.batch_size=2", "data.seq_len=32", "train.precision=bf16", recipe="llama_tiny_stdlib")
+    text = format_report(plan_report(cfg, 2, plugin_manager()))
+    header = text.splitlines()[:3]
+    assert header[2] == ("estimates assume: bf16 (train.precision), micro-batch 2 per rank (train.batch_size; "
+                         "train.grad_accum=1 micro-batches per step, one at a time in memory), sequence length 32 "
+                         "(data.seq_len), activation checkpointing off (train.activation_checkpointing=0), adamw "
+                         "optimizer state (optim.name)"), header
+
+
+def test_budget_answer_shows_the_budget_in_gib_and_every_search_line_whole():
+    invalid = ("masker.capacity gives units nobody owns: " + ", ".join(f"layers.{i}" for i in range(1, 40, 2))
+               + " (raise the smallest coverage)")
+    result = {"memory": "24GB", "budgets": [24 * 10**9] * 2, "fits": True, "coverage": 0.5,
+              "max_peak_bytes": 20 * 2**30, "next_coverage": None, "overrides": ["masker.coverage=0.5"],
+              "tried": [{"overrides": {"masker.coverage": 1.0, "masker.capacity": [0.5, 0.25]}, "probe": None,
+                         "invalid": invalid}]}
+    lines = format_budget(result).splitlines()
+    assert lines[0] == ("memory budget per rank: 22.35 GiB (--memory 24GB: GB and MB are decimal, 10^9 and 10^6 "
+                        "bytes; GiB and MiB are 2^30 and 2^20, as GPU memory is counted)")
+    assert lines[1].endswith(f"invalid ({invalid})")
+    assert lines[2].startswith("answer: masker.coverage=0.5 fits every rank's 22.35 GiB (max peak 20.00 GiB)")
+    result["memory"] = "24GiB"
+    result["budgets"] = [24 * 2**30] * 2
+    assert format_budget(result).splitlines()[0] == "memory budget per rank: 24.00 GiB"
+
+
+def test_the_readme_examples_are_what_the_program_prints(capsys, tmp_path, monkeypatch):
+    """Every ``$ subnetdp ...`` line in the README's example blocks, run, prints the line below it."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    examples = re.findall(r"^\$ subnetdp (.+)\n(subnetdp: .+)$", readme, re.MULTILINE)
+    assert len(examples) >= 2, examples
+    monkeypatch.chdir(tmp_path)  # a run that was not refused would write here, not into the checkout
+    for command, shown in examples:
+        main(shlex.split(command))
+        printed = capsys.readouterr().err.strip().splitlines()
+        assert printed and printed[-1] == shown, (command, printed)
