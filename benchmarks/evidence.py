@@ -71,9 +71,15 @@ def row_overrides(row: str, task: Task) -> list[str]:
     return [f"masker.coverage={C:g}", f"masker.granularity={gran}", f"masker.regime={regime}"]
 
 
-def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
+def flop_ratios(task: Task, rows: list[str], overrides: Any = None) -> dict[str, dict[str, float]]:
     """Forward (and forward + backward) FLOPs of the ranks' local models relative to the full model,
-    mean over ranks, measured with ``FlopCounterMode`` on one real training batch of each rank."""
+    mean over ranks, measured with ``FlopCounterMode`` on one real training batch of each rank.
+
+    ``overrides(row, task)`` gives a row's overrides (default :func:`row_overrides`; another study
+    passes its own rows). Each row also gets its absolute figures, ``forward_flops`` and
+    ``train_step_flops``: one rank's forward, and forward + backward, on one batch (mean over ranks).
+    """
+    overrides = overrides or row_overrides
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -86,7 +92,7 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     full_fwd = full_train = None
     for row in ["DDP"] + [r for r in rows if r != "DDP"]:
-        cfg = load_config(task.recipe, task.overrides_for(1, row_overrides(row, task) + _cache(task)),
+        cfg = load_config(task.recipe, task.overrides_for(1, overrides(row, task) + _cache(task)),
                           pm.registries)
         data, spec, adapter, full, partition, plan = build_plan(cfg, task.world_size, pm)
         fwd, train = [], []
@@ -108,7 +114,8 @@ def flop_ratios(task: Task, rows: list[str]) -> dict[str, dict[str, float]]:
         f_mean, t_mean = sum(fwd) / len(fwd), sum(train) / len(train)
         if row == "DDP":
             full_fwd, full_train = f_mean, t_mean
-        out[row] = {"forward": f_mean / full_fwd, "train_step": t_mean / full_train, "forward_flops": f_mean}
+        out[row] = {"forward": f_mean / full_fwd, "train_step": t_mean / full_train, "forward_flops": f_mean,
+                    "train_step_flops": t_mean}
     return out
 
 
