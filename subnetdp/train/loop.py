@@ -8,6 +8,7 @@ ranks must meet is marked ``# collective``.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 from omegaconf import DictConfig
@@ -23,7 +24,7 @@ from subnetdp.train.meter import Meter
 from subnetdp.train.report import reporting, summarise
 from subnetdp.train.setup import set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
-from subnetdp.train.stopping import Interrupted, StopRequest, hold_for_test, stop_message
+from subnetdp.train.stopping import Interrupted, StopRequest, continue_command, hold_for_test, stop_message
 
 
 class TrainedRun(NamedTuple):
@@ -125,5 +126,5 @@ def _stop(ctx: RunContext, ckpt: Checkpointer, step: int, who: dict[int, int]) -
     if path is None and ctx.cfg.checkpoint.enabled:
         path = ckpt.save(step)  # collective: every rank agreed to stop after this step
     signum = who.get(ctx.rank) or who[min(who)]
-    hint = f"subnetdp train ... resume=auto run.dir={ctx.cfg.run.dir} run.name={ctx.cfg.run.name}"
+    hint = continue_command(sys.argv, ctx.cfg.run.dir, str(ctx.cfg.run.name))
     raise Interrupted(stop_message(who, step, path, hint) if ctx.rank == 0 else "", 128 + signum)

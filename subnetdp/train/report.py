@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -112,7 +113,7 @@ class Reporter:
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
         write_start(context, state, self.log)
-        if context.rank == 0 and context.cfg.train.progress:
+        if context.rank == 0 and show_bar(str(context.cfg.train.progress)):
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True)
@@ -149,10 +150,13 @@ class Reporter:
         self.log.jsonl(record)
         self.log.scalars(step, self.meter.rank_scalars(step), per_rank=True)
         self.log.scalars(step, state.synchronizer.log_figures(), per_rank=True)
+        line = (f"step {step:>6}  loss {record['train/loss']:.4f}  lr {record['train/lr']:.4g}  "
+                f"{record['train/samples_per_s']:.0f} samples/s  {step_time * 1000:.0f} ms/step")
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['train/loss']:.4f}")
-            self.bar.write(f"step {step:>6}  loss {record['train/loss']:.4f}  lr {record['train/lr']:.4g}  "
-                           f"{record['train/samples_per_s']:.0f} samples/s  {step_time * 1000:.0f} ms/step")
+            self.bar.write(line)
+        elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines
+            print(line, flush=True)
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_eval_end(self, context: RunContext, step: int, metrics: dict[str, float], union: dict[str, Any],
@@ -206,6 +210,14 @@ def reporting(ctx: RunContext, meter: Meter) -> Iterator[Reporter]:
     finally:
         reporter.close()
         ctx.plugins.unregister(reporter)
+
+
+def show_bar(progress: str) -> bool:
+    """``train.progress``: ``auto`` shows the bar only when stderr (where tqdm writes) is a terminal,
+    so piped and batch-job logs get whole lines instead of carriage-return updates."""
+    if progress == "auto":
+        return sys.stderr.isatty()
+    return progress == "true"
 
 
 def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:

@@ -16,11 +16,12 @@ each, so one Ctrl-C in a terminal is one signal per worker.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -113,6 +114,15 @@ class StopRequest:
             # collective: every rank reaches this at the end of every step.
             comm.all_reduce(flags, comm.world).wait()
         return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
+
+
+def continue_command(argv: Sequence[str], run_dir: Any, run_name: str) -> str:
+    """The command that continues this run, quoted for a POSIX shell: this process's ``train``
+    arguments with ``resume=auto`` and the run's directory and name (a name the job made included)."""
+    args = list(argv)
+    args = args[args.index("train") + 1:] if "train" in args else []
+    keep = [a for a in args if not a.split("=", 1)[0].lstrip("+~") in ("resume", "run.dir", "run.name")]
+    return shlex.join(["subnetdp", "train", *keep, "resume=auto", f"run.dir={run_dir}", f"run.name={run_name}"])
 
 
 def stop_message(who: dict[int, int], step: int, checkpoint: Any, resume_hint: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -105,8 +106,10 @@ def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alo
     assert json.loads((saved / ck.MANIFEST).read_text())["step"] == step
     assert not (run / "summary.json").exists()
 
-    # The stopped run continues from its checkpoint to the end ...
-    done = subprocess.run([*common[:-1], "run.name=term", "resume=auto", f"train.steps={step + 1}"],
+    # The stopped run continues from its checkpoint to the end, with the command the line prints ...
+    printed = shlex.split(lines[0].split("; continue with ", 1)[1])
+    assert printed[:2] == ["subnetdp", "train"] and "resume=auto" in printed and "launch.nproc=2" in printed
+    done = subprocess.run([*SUBNETDP, *printed[1:], f"train.steps={step + 1}"],
                           capture_output=True, text=True, env=ENV, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {saved} (step {step})" in done.stdout

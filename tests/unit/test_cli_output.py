@@ -63,3 +63,19 @@ def test_the_readme_examples_are_what_the_program_prints(capsys, tmp_path, monke
         main(shlex.split(command))
         printed = capsys.readouterr().err.strip().splitlines()
         assert printed and printed[-1] == shown, (command, printed)
+
+
+def test_a_piped_run_prints_whole_log_lines_and_no_bar(tmp_path):
+    """``train.progress=auto`` (the default) on a pipe: plain log lines on stdout, no carriage returns."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "train.steps=2",
+                           "train.log_every=1", "train.batch_size=4", "optim.warmup_steps=0", "eval.batches=1",
+                           "eval.bn_recalibrate_batches=0", "launch.threads_per_rank=1", f"run.dir={tmp_path}",
+                           "run.name=piped"], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1", "2"] and "loss" in steps[0]
+    assert "\r" not in proc.stdout + proc.stderr  # no bar redrawn in place
