@@ -83,9 +83,9 @@ class TrainConfig:
     # Steps count from 1; one past train.steps measures the last step.
     memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured (steps count from 1; "
                            "beyond train.steps: the last)", 2, lo=1, fix="2 is the default (the first step warms up)")
-    progress: str = doc("progress bar on rank 0: auto (only when its output is a terminal: a pipe, a file or a "
-                        "batch job gets plain log lines), true or false; log lines are printed either way",
-                        "auto", choices=("auto", "true", "false"))
+    progress: Optional[bool] = doc("progress bar on rank 0: true, false, or null (the default): only when its output "
+                                   "is a terminal (a pipe, a file or a batch job gets plain log lines); log lines "
+                                   "are printed either way", None)
     on_nonfinite: str = doc('stop or skip: what an inf/NaN loss or gradient does', "stop", choices=("stop", "skip"))
     grad_alignment_every: int = doc("every N steps: cosine of SDP's averaged gradient with the full-batch DDP gradient (0 = off)", 0,
                                     lo=0, fix="0 turns the probe off")

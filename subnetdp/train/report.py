@@ -113,7 +113,7 @@ class Reporter:
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
         write_start(context, state, self.log)
-        if context.rank == 0 and show_bar(str(context.cfg.train.progress)):
+        if context.rank == 0 and show_bar(context.cfg.train.progress):
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.steps, desc="train", unit="step", dynamic_ncols=True)
@@ -212,12 +212,10 @@ def reporting(ctx: RunContext, meter: Meter) -> Iterator[Reporter]:
         ctx.plugins.unregister(reporter)
 
 
-def show_bar(progress: str) -> bool:
-    """``train.progress``: ``auto`` shows the bar only when stderr (where tqdm writes) is a terminal,
-    so piped and batch-job logs get whole lines instead of carriage-return updates."""
-    if progress == "auto":
-        return sys.stderr.isatty()
-    return progress == "true"
+def show_bar(progress: bool | None) -> bool:
+    """``train.progress``: null (the default) shows the bar only when stderr (where tqdm writes) is a
+    terminal, so piped and batch-job logs get whole lines instead of carriage-return updates."""
+    return sys.stderr.isatty() if progress is None else bool(progress)
 
 
 def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
