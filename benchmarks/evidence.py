@@ -81,8 +81,7 @@ def flop_ratios(task: Task, rows: list[str], overrides: Any = None) -> dict[str,
     """
     overrides = overrides or row_overrides
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
+    from subnetdp.sdp.flops import step_flops
     from subnetdp.train.configure import load_config
     from subnetdp.train.setup import build_plan
     from subnetdp.core.plugins import PluginManager
@@ -99,18 +98,13 @@ def flop_ratios(task: Task, rows: list[str], overrides: Any = None) -> dict[str,
         for rank in range(task.world_size):
             with torch.device("meta"):  # modules made while narrowing stay on meta too
                 model, _ = local_model(adapter, copy.deepcopy(full), plan.owned[rank], partition, cfg.masker)
-            model.train()
             batch = next(iter(data.train_loader(rank, task.world_size, int(cfg.train.batch_size))))
             # The full model, hence the local one, lives on ``meta``: nothing is computed, and the
-            # counts are those of the real batch's shapes.
+            # counts are those of the real batch's shapes (the same count as subnetdp plan's).
             batch = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch)
-            with FlopCounterMode(display=False) as f:
-                loss = adapter.loss(model(adapter.inputs(batch)), batch)
-            fwd.append(f.get_total_flops())
-            with FlopCounterMode(display=False) as t:
-                loss = adapter.loss(model(adapter.inputs(batch)), batch)
-                loss.backward()
-            train.append(t.get_total_flops())
+            forward, step = step_flops(adapter, model, batch)
+            fwd.append(forward)
+            train.append(step)
         f_mean, t_mean = sum(fwd) / len(fwd), sum(train) / len(train)
         if row == "DDP":
             full_fwd, full_train = f_mean, t_mean

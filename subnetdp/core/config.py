@@ -609,20 +609,21 @@ def env_flag(name: str) -> bool:
 INT64_MAX = 2**63 - 1
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+def leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a plain container (lists as ``key[i]``)."""
     if isinstance(node, dict):
         for k, v in node.items():
-            yield from _leaves(v, f"{prefix}{k}.")
+            yield from leaves(v, f"{prefix}{k}.")
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            yield from _leaves(v, f"{prefix.rstrip('.')}[{i}].")
+            yield from leaves(v, f"{prefix.rstrip('.')}[{i}].")
     else:
         yield prefix.rstrip("."), node
 
 
 def check_numbers(cfg: DictConfig) -> None:
     """No NaN or infinity anywhere, and no integer beyond 64 bits (torch, numpy and C take int64)."""
-    for key, value in _leaves(OmegaConf.to_container(cfg, resolve=True)):
+    for key, value in leaves(OmegaConf.to_container(cfg, resolve=True)):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(key, value, "must be a finite number", "give a plain number such as 0.5")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:

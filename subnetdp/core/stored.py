@@ -15,26 +15,14 @@ what its user gives on the command line).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from subnetdp.core.config import PLUGIN_GROUPS, RunConfig
+from subnetdp.core.config import PLUGIN_GROUPS, RunConfig, leaves
 from subnetdp.core.contracts import writing_keys
 from subnetdp.core.errors import CheckpointError, SubnetdpError
 from subnetdp.core.records import shown
-
-
-def _interpolations(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(key, text) of every string that OmegaConf could take for an interpolation."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _interpolations(v, f"{prefix}{k}.")
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _interpolations(v, f"{prefix.rstrip('.')}[{i}].")
-    elif isinstance(node, str) and "${" in node:  # escaped or not: a stored config has no use for either
-        yield prefix.rstrip("."), node
 
 
 def load_stored(path: Path) -> DictConfig:
@@ -46,7 +34,9 @@ def load_stored(path: Path) -> DictConfig:
         raise CheckpointError(f"{path}: not a readable config ({first})") from None
     if not isinstance(cfg, DictConfig):
         raise CheckpointError(f"{path}: holds {shown(OmegaConf.to_container(cfg))}, not a mapping of config keys")
-    for key, text in _interpolations(OmegaConf.to_container(cfg, resolve=False)):
+    # escaped or not: a stored config has no use for an interpolation
+    for key, text in ((k, v) for k, v in leaves(OmegaConf.to_container(cfg, resolve=False))
+                      if isinstance(v, str) and "${" in v):
         raise CheckpointError(f"{path}: {key} holds the interpolation {shown(text)}: a stored config is data and "
                               "is never resolved (a run writes its config resolved, so this one was edited) — "
                               "write the value itself there, or evaluate a checkpoint the run wrote")

@@ -80,11 +80,11 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                     # collective: owner groups average the gradients, the guard, and (when due) local steps'
                     # synchronisation and backward masking's refresh, in the step's fixed order.
                     out = state.train_step(batches, step=step, need_norm=log_step, probe=probe.at(step))
-                    ckpt.mark_finished(step)  # what a survivor's files need of the last finished step
                     redrawn = state.drawn_plan(step)  # masker.resample_every
                     if redrawn is not None and step < steps:
                         # collective: every rank re-draws the same plan and receives the pieces it gains.
                         state.replan(redrawn, PeerPieces())
+                ckpt.mark_finished(step)  # what a survivor's files need (outside the measured step)
                 metrics = {"loss": float(out.loss), "lr": state.optimizer.param_groups[0]["lr"],
                            "step_time": meter.last_step_time, "grad_norm": out.grad_norm, **probe.figures(step)}
                 if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
