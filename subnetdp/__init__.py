@@ -7,21 +7,23 @@ freezes it, so a change here is deliberate.
 
 from subnetdp.core.contracts import (CommConfig, Communicator, DataConfig, DataModule, DataSpec, DoneHandle,
                                      Handle, HiddenSite, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
-                                     ModelConfig, ParamMap, Partition, Piece, ResumableLoader, RunContext, RunResult,
-                                     TensorSlice, TrainStateView, Unit)
-from subnetdp.core.errors import (CheckpointError, ConfigError, NonFiniteError, PlanError, RankMismatchError,
-                                  SubnetdpError, suggest)
+                                     ModelConfig, NullCommunicator, ParamMap, Partition, Piece, ResumableLoader,
+                                     RunContext, RunResult, TensorSlice, TrainStateView, Unit)
+from subnetdp.core.errors import (CheckpointError, ConfigError, NonFiniteError, PeerLost, PlanError,
+                                  RankMismatchError, SubnetdpError, suggest)
+from subnetdp.core.fields import doc
 from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, units_kept
+from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, rank_coverages, units_kept
 from subnetdp.core.plugins import Registry
+from subnetdp.core.records import plain_name_problem
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CommConfig", "Communicator", "ConfigError", "DataConfig", "DataModule", "DataSpec",
     "DoneHandle", "GROUP_BY", "Handle", "HiddenSite", "LaunchEnv", "MaskPlan", "Masker", "MaskerConfig",
-    "ModelAdapter", "ModelConfig", "NonFiniteError", "ParamMap", "Partition", "Piece", "PlanError",
-    "RankMismatchError", "Registry", "ResumableLoader", "RunContext", "RunResult", "SubnetdpError", "TensorSlice",
-    "TrainStateView", "Unit",
-    "group_units", "hookimpl", "suggest", "units_kept",
+    "ModelAdapter", "ModelConfig", "NonFiniteError", "NullCommunicator", "ParamMap", "Partition", "PeerLost",
+    "Piece", "PlanError", "RankMismatchError", "Registry", "ResumableLoader", "RunContext", "RunResult",
+    "SubnetdpError", "TensorSlice", "TrainStateView", "Unit",
+    "doc", "group_units", "hookimpl", "plain_name_problem", "rank_coverages", "suggest", "units_kept",
 ]

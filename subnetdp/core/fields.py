@@ -19,7 +19,15 @@ from typing import Any, Iterator, Sequence
 
 from subnetdp.core.errors import ConfigError, suggest
 
-_NO_DEFAULT: Any = dataclasses.MISSING
+
+class _NoDefault:
+    """A field without a default (``dataclasses.MISSING``), shown by name in ``doc``'s signature."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+_NO_DEFAULT: Any = _NoDefault()
 WRITES = "writes"  # field metadata: the field chooses where (or whether) files are written
 
 
@@ -85,7 +93,7 @@ def doc(text: str, default: Any = _NO_DEFAULT, *, factory: Any = _NO_DEFAULT, lo
         metadata["bounds"] = Bounds(lo, hi, lo_open, hi_open, tuple(choices), fix)
     if factory is not _NO_DEFAULT:
         return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return field(default=dataclasses.MISSING if default is _NO_DEFAULT else default, metadata=metadata)
 
 
 def writing_keys(schema: type, prefix: str = "") -> list[str]:

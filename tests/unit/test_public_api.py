@@ -172,12 +172,24 @@ FROZEN_API: dict[str, list[str]] = {
         "global_names(self) -> 'list[str]'",
         'identity(cls, names: \'Iterable[str]\', unit_of: \'dict[str, int | None]\') -> "\'ParamMap\'"',
     ],
+    'NullCommunicator': [
+        "all_gather_object(self, obj: 'Any') -> 'list[Any]'",
+        'all_reduce(self, tensor: "\'torch.Tensor\'", group: \'Sequence[int]\', async_op: \'bool\' = False) -> \'Handle\'',
+        "barrier(self) -> 'None'",
+        'broadcast(self, tensor: "\'torch.Tensor\'", src: \'int\', group: \'Sequence[int] | None\' = None) -> \'None\'',
+        'device: property',
+        "init(self) -> 'None'",
+        "new_group(self, ranks: 'Sequence[int]') -> 'None'",
+    ],
     'Partition': [
         '__init__(self, granularity: \'str\', units: \'list[Unit]\', shared: \'list[str]\', shared_buffers: \'list[str]\' = <factory>, shapes: \'dict[str, tuple[int, ...]]\' = <factory>, dtypes: "dict[str, \'torch.dtype\']" = <factory>) -> None',
         "groups(self) -> 'dict[str, list[Unit]]'",
         "shared_numel(self) -> 'int'",
         'tensor_info(model: "\'nn.Module\'") -> "tuple[dict[str, tuple[int, ...]], dict[str, \'torch.dtype\']]"',
         "unit_numel(self, unit: 'Unit') -> 'int'",
+    ],
+    'PeerLost': [
+        "__init__(self, message: 'str', lost: 'Iterable[int]' = ()) -> 'None'",
     ],
     'Piece': [
         "__init__(self, global_name: 'str', dim: 'int | None' = None, global_start: 'int' = 0, global_stop: 'int' = 0, local_start: 'int' = 0, local_stop: 'int' = 0) -> None",
@@ -222,11 +234,20 @@ FROZEN_API: dict[str, list[str]] = {
     'Unit': [
         "__init__(self, id: 'int', name: 'str', group: 'str', cost: 'float', slices: 'tuple[TensorSlice, ...]', buffers: 'tuple[TensorSlice, ...]' = ()) -> None",
     ],
+    'doc': [
+        "doc(text: 'str', default: 'Any' = MISSING, *, factory: 'Any' = MISSING, lo: 'float | None' = None, hi: 'float | None' = None, lo_open: 'bool' = False, hi_open: 'bool' = False, choices: 'Sequence[str]' = (), fix: 'str' = '', writes: 'bool' = False) -> 'Any'",
+    ],
     'group_units': [
         "group_units(partition: 'Partition', group_by: 'str' = 'auto') -> 'dict[str, list[int]]'",
     ],
     'hookimpl': [
         "hookimpl(function: '_F | None' = None, hookwrapper: 'bool' = False, optionalhook: 'bool' = False, tryfirst: 'bool' = False, trylast: 'bool' = False, specname: 'str | None' = None, wrapper: 'bool' = False) -> '_F | Callable[[_F], _F]'",
+    ],
+    'plain_name_problem': [
+        "plain_name_problem(name: 'Any') -> 'str | None'",
+    ],
+    'rank_coverages': [
+        "rank_coverages(mcfg: 'Any', world_size: 'int') -> 'list[float]'",
     ],
     'suggest': [
         "suggest(name: 'str', choices: 'Iterable[str]') -> 'str'",
