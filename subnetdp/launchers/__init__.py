@@ -12,8 +12,8 @@
   batch script itself is one process, whatever ``SLURM_NTASKS`` says.
 
 The first family found wins, in that order, so ``torchrun`` started inside an ``srun`` step reads
-torchrun's ranks. :func:`rendezvous` then gives ``torch.distributed`` (gloo, nccl) the
-``MASTER_ADDR`` / ``MASTER_PORT`` that mpirun and srun do not set.
+torchrun's ranks. The ``MASTER_ADDR`` / ``MASTER_PORT`` that mpirun and srun do not set are the
+communicators' business (``subnetdp.plugins.comm._rendezvous``): a launcher only says which process is which.
 
 Only this package, ``subnetdp.plugins.comm`` and ``subnetdp.parallel`` import ``torch.distributed``
 or ``mpi4py``.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from typing import Mapping
 
 from subnetdp.core.contracts import LaunchEnv
@@ -102,49 +101,3 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         return _slurm(env)
     return LaunchEnv()
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``"gpu[003-004,010],cpu1"`` -> ``"gpu003"``."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if m is None:
-        raise SubnetdpError(f"cannot read SLURM's node list {nodelist!r}: set MASTER_ADDR yourself")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it; no fixed ports)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def rendezvous(env: LaunchEnv) -> None:
-    """Set ``MASTER_ADDR`` / ``MASTER_PORT`` for ``torch.distributed`` ``env://`` when unset.
-
-    torchrun sets them itself. Under mpirun, rank 0 picks a free port and its address and
-    broadcasts both over MPI (mpi4py). Under srun, every rank derives the same values from the job:
-    the first host of the step's node list and a port from the job id.
-    """
-    if env.world_size == 1 or ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        return
-    if env.launcher == "mpirun":
-        from subnetdp.launchers.mpi import broadcast_from_rank0
-
-        def mine() -> tuple[str, str]:
-            host = "127.0.0.1" if env.local_world_size == env.world_size else socket.gethostname()
-            return os.environ.get("MASTER_ADDR", host), os.environ.get("MASTER_PORT", str(free_port()))
-
-        # collective: every rank reaches this; rank 0's address and port win.
-        addr, port = broadcast_from_rank0(mine)
-    elif env.launcher == "srun":
-        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        addr = os.environ.get("MASTER_ADDR", first_slurm_host(nodes))
-        port = os.environ.get("MASTER_PORT", str(15000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
-    else:
-        raise SubnetdpError(f"MASTER_ADDR and MASTER_PORT are not set for a {env.world_size}-process "
-                            f"{env.launcher} launch: set both (torchrun does) or use comm.init_method")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port

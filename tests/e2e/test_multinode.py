@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from subnetdp.launchers import free_port
 from subnetdp.launchers.command import launch_command
 from subnetdp.launchers.nodes import Nodes
+from subnetdp.plugins.comm._rendezvous import free_port
 from subnetdp.train.checkpoints import files as ck
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")

@@ -16,8 +16,9 @@ from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import ConfigError, SubnetdpError
 from subnetdp.train.meter import bytes_by_group, tensor_digest
-from subnetdp.launchers import detect, first_slurm_host, slurm_tasks_on_node
+from subnetdp.launchers import detect, slurm_tasks_on_node
 from subnetdp.launchers.command import launch_command
+from subnetdp.plugins.comm._rendezvous import first_slurm_host, rendezvous
 from subnetdp.plugins.comm.mpi import MpiCommunicator
 from subnetdp.plugins.comm.nccl import NcclCommunicator
 
@@ -130,8 +131,6 @@ def test_bytes_by_group_and_parameter_digest():
 
 
 def test_rendezvous_under_srun_and_a_torchrun_without_master(monkeypatch):
-    from subnetdp.launchers import rendezvous
-
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[003-004]")

@@ -3,9 +3,10 @@
 Bottom up: ``core`` (the contracts) -> ``sdp`` (the method) -> ``parallel`` (the engine) -> ``train``
 (step, meter, loop, checkpoints, the run lock and up-front checks) -> the command wings: ``plan``
 (report, budget search, dry runs), ``evaluate`` (eval and export from a checkpoint's files) and
-``tools`` (data preparation) -> ``cli``. ``launchers`` and ``plugins`` stand on ``core`` alone (a
-communicator may use ``launchers``); one plugin kind never imports another, no wing imports another,
-and ``import subnetdp`` (the public API) reaches only ``core``. No import cycle joins two modules
+``tools`` (data preparation) -> ``cli``. ``launchers`` stands on ``core`` alone. A built-in plugin
+imports what a third-party one can: ``subnetdp`` (the public API, which reaches only ``core``) and
+helpers of its own under ``subnetdp/plugins/``; one plugin kind never imports another, and no wing
+imports another. No import cycle joins two modules
 unless both are in ``core``. Only ``plugins/comm/``, ``parallel/`` and ``launchers/`` import
 ``torch.distributed`` or ``mpi4py``.
 """
@@ -31,7 +32,7 @@ MAY_IMPORT = {
     "sdp": {"core", "sdp"},
     "parallel": {"core", "sdp", "parallel"},
     "train": {"core", "sdp", "parallel", "train", "launchers"},
-    "plugins": {"api", "core", "launchers"},  # and their own kind (checked separately)
+    "plugins": {"api"},  # and their own kind (checked separately); see plugin_may_import
     "plan": {"core", "sdp", "parallel", "train", "launchers", "plan"},
     "evaluate": {"core", "sdp", "parallel", "train", "launchers", "evaluate"},
     "tools": {"api", "core", "plugins", "tools"},
@@ -138,6 +139,48 @@ def test_only_backend_packages_import_torch_distributed():
         if any(m.startswith(BACKENDS) for m in direct_imports(mod)):
             offenders.append(rel)
     assert offenders == []
+
+
+def absolute_imports(mod: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``mod``'s source (function-level ones too), relative ones
+    resolved, as written: ``from subnetdp.core.plan import MaskPlan`` gives ``subnetdp.core.plan``."""
+    package = mod if MODULES[mod].name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(MODULES[mod].read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            out += [(node.lineno, base)]
+    return out
+
+
+def plugin_may_import(name: str) -> bool:
+    """What a module under ``subnetdp/plugins/`` may import of the package: ``subnetdp`` itself (the
+    public API) and the plugins' own modules. No exception: what a built-in needs and a third party's
+    plugin of its kind would need too is in the public API; what only the built-ins use lives beside
+    them (the communicators' rendezvous in ``plugins/comm/_rendezvous.py``)."""
+    return name == "subnetdp" or name == "subnetdp.plugins" or name.startswith("subnetdp.plugins.")
+
+
+def plugin_import_violations() -> list[str]:
+    """``path:line imports module`` for every import of a built-in plugin that :func:`plugin_may_import` refuses."""
+    return [f"{MODULES[mod].relative_to(ROOT.parent)}:{line} imports {name}"
+            for mod in MODULES if floor(mod) == "plugins"
+            for line, name in absolute_imports(mod)
+            if name.split(".")[0] == "subnetdp" and not plugin_may_import(name)]
+
+
+def test_built_in_plugins_import_only_the_public_api():
+    # A built-in plugin is written as a third party's is: if it needs something the public API lacks,
+    # either a third party would need it too (add it to subnetdp.__all__) or it is the plugin's own.
+    plugins = [m for m in MODULES if floor(m) == "plugins"]
+    assert len(plugins) >= 30 and any(n == "subnetdp" for m in plugins for _, n in absolute_imports(m))
+    found = plugin_import_violations()
+    assert found == [], "import these from `subnetdp` (the public API) instead:\n" + "\n".join(found)
 
 
 def test_the_floors_form_a_ladder_and_no_wing_imports_another():

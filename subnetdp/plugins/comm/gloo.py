@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import hookimpl
 from subnetdp.plugins.comm.torch_dist import TorchDistCommunicator
 
 

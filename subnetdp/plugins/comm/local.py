@@ -2,15 +2,13 @@
 
 The loop takes the same path with it as with a real backend, so single-process runs never branch
 on "distributed or not". The collectives are the contract's do-nothing ones
-(:class:`~subnetdp.core.contracts.NullCommunicator`, which the plan's dry runs share); this plugin
+(:class:`subnetdp.NullCommunicator`, which the plan's dry runs share); this plugin
 adds only the checks that it runs one process.
 """
 
 from __future__ import annotations
 
-from subnetdp.core.contracts import NullCommunicator
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, NullCommunicator, hookimpl
 
 
 class LocalCommunicator(NullCommunicator):

@@ -22,10 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from subnetdp.core.contracts import CommConfig, Communicator, DoneHandle, Handle
-from subnetdp.core.errors import ConfigError, SubnetdpError
-from subnetdp.core.hookspecs import hookimpl
-from subnetdp.launchers.mpi import import_mpi
+from subnetdp import CommConfig, Communicator, ConfigError, DoneHandle, Handle, SubnetdpError, hookimpl
+from subnetdp.plugins.comm._rendezvous import import_mpi
 
 DEVICE_CHOICES = ("cpu", "cuda")
 # dtypes MPI cannot sum: reduced in fp32.

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, hookimpl
 from subnetdp.plugins.comm.torch_dist import TorchDistCommunicator
 
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from subnetdp.core.contracts import ResumableLoader
+from subnetdp import ResumableLoader
 
 
 class ShardedTensorLoader(ResumableLoader):

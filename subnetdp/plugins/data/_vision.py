@@ -18,8 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from subnetdp.core.contracts import DataConfig, ResumableLoader
-from subnetdp.core.errors import ConfigError
+from subnetdp import ConfigError, DataConfig, ResumableLoader
 
 _MASK = (1 << 63) - 1
 

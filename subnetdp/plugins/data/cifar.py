@@ -19,9 +19,7 @@ import numpy as np
 from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
-from subnetdp.core.contracts import DataModule, DataSpec, doc
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, DataModule, DataSpec, doc, hookimpl
 from subnetdp.plugins.data._vision import (SeededTransform, ShardedImageLoader, Transformed, VisionDataConfig,
                                            absolute, eval_loader, exclusive)
 

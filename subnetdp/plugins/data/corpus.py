@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from subnetdp.core.errors import SubnetdpError
+from subnetdp import SubnetdpError
 from subnetdp.plugins.data.token_shards import write_shard
 
 EOT = "<|endoftext|>"

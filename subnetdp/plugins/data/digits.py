@@ -12,9 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from subnetdp.core.contracts import DataConfig, DataModule, DataSpec
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, DataConfig, DataModule, DataSpec, hookimpl
 from subnetdp.plugins.data._sharded import ShardedTensorLoader, batched
 
 

@@ -17,9 +17,7 @@ from typing import Any
 from PIL import Image
 from torchvision import datasets, transforms
 
-from subnetdp.core.contracts import DataModule, DataSpec
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, DataModule, DataSpec, hookimpl
 from subnetdp.plugins.data._vision import (SeededTransform, ShardedImageLoader, Transformed, VisionDataConfig,
                                            absolute, eval_loader)
 

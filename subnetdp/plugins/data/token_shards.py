@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from subnetdp.core.errors import ConfigError
+from subnetdp import ConfigError
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

@@ -27,10 +27,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from subnetdp.core.contracts import DataConfig, DataModule, DataSpec, ResumableLoader, doc
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.records import plain_name_problem
+from subnetdp import ConfigError, DataConfig, DataModule, DataSpec, ResumableLoader, doc, hookimpl, plain_name_problem
 from subnetdp.plugins.data.token_shards import PLAIN_DTYPES, open_shard
 
 PREPARE_HINT = ("prepare shards with `subnetdp prepare-text FILES_OR_DIRS --out DIR` (or `--fineweb N`), "

@@ -10,9 +10,7 @@ reports each rank's cost (``cost_per_rank`` in ``plan.json`` and ``subnetdp plan
 
 from __future__ import annotations
 
-from subnetdp.core.contracts import Masker, MaskerConfig, Partition
-from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import MaskPlan, group_units, units_kept
+from subnetdp import MaskPlan, Masker, MaskerConfig, Partition, group_units, hookimpl, units_kept
 
 
 class BalancedMasker(Masker):

@@ -11,9 +11,7 @@ so the runs tile the cycle in proportion to their lengths (equal capacities give
 
 from __future__ import annotations
 
-from subnetdp.core.contracts import Masker, MaskerConfig, Partition
-from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import MaskPlan, group_units, rank_coverages, units_kept
+from subnetdp import MaskPlan, Masker, MaskerConfig, Partition, group_units, hookimpl, rank_coverages, units_kept
 
 
 class CyclicMasker(Masker):

@@ -12,9 +12,7 @@ import hashlib
 
 import numpy as np
 
-from subnetdp.core.contracts import Masker, MaskerConfig, Partition
-from subnetdp.core.hookspecs import hookimpl
-from subnetdp.core.plan import MaskPlan, group_units, rank_coverages, units_kept
+from subnetdp import MaskPlan, Masker, MaskerConfig, Partition, group_units, hookimpl, rank_coverages, units_kept
 
 
 def group_rng(seed: int, group: str) -> np.random.Generator:

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from subnetdp.core.contracts import DataSpec, ParamMap, Partition, TensorSlice, Unit
-from subnetdp.core.errors import ConfigError, suggest
+from subnetdp import ConfigError, DataSpec, ParamMap, Partition, TensorSlice, Unit, suggest
 
 
 def check_variant(variant: str, variants: Sequence[str]) -> None:

@@ -13,8 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from subnetdp.core.contracts import ParamMap, Partition, Piece, Unit
-from subnetdp.core.errors import ConfigError
+from subnetdp import ConfigError, ParamMap, Partition, Piece, Unit
 from subnetdp.plugins.models._blocks import tensor_names
 
 

@@ -45,9 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from subnetdp.core.contracts import DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition, hookimpl
 from subnetdp.plugins.models._blocks import assemble_partition, check_variant, identity_param_map, make_block_unit
 from subnetdp.plugins.models.llama.neurons import materialize_neurons, neuron_partition
 from subnetdp.plugins.models.llama.model import DEFAULT_VOCAB, VARIANTS, Llama, LlamaArgs, init_tensor, rotary_tables

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from subnetdp.core.contracts import DataSpec, ParamMap, Partition, Piece, TensorSlice, Unit
+from subnetdp import DataSpec, ParamMap, Partition, Piece, TensorSlice, Unit
 from subnetdp.plugins.models._blocks import assemble_partition
 from subnetdp.plugins.models._neurons import (ScaleOutput, add_pieces, check_units_per_layer, complete_param_map,
                                               cut_ranges, narrow_parameter, owned_by_group, owned_index,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from subnetdp.core.contracts import DataSpec, ParamMap, Partition, Piece, TensorSlice, Unit
+from subnetdp import DataSpec, ParamMap, Partition, Piece, TensorSlice, Unit
 from subnetdp.plugins.models._blocks import assemble_partition, measure_module_flops
 from subnetdp.plugins.models._neurons import (ScaleInput, add_pieces, check_units_per_layer, complete_param_map,
                                               cut_ranges, narrow_parameter, owned_by_group, owned_index,

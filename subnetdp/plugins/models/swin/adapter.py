@@ -32,9 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
-from subnetdp.core.contracts import DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition
-from subnetdp.core.errors import ConfigError
-from subnetdp.core.hookspecs import hookimpl
+from subnetdp import ConfigError, DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition, hookimpl
 from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
                                              make_block_unit, measure_module_flops)
 from subnetdp.plugins.models.swin.model import VARIANTS, build_reference
