@@ -565,13 +565,14 @@ class ModelAdapter(Plugin, abc.ABC):
 
     def residual_branches(self, model: "nn.Module") -> dict[str, list["nn.Module"]]:
         """Block name (the block-level unit's name) -> the modules whose outputs are its residual
-        branches, for the blocks ``model`` holds. Used by ``model.stochastic_depth`` and by the
-        rescaled block-level union (``eval.block_union``); empty if the adapter has none."""
+        branches, for the blocks ``model`` holds. Used by ``model.stochastic_depth`` (a drop-path hook
+        on each); empty if the adapter has none."""
         return {}
 
     def branch_output_layers(self, model: "nn.Module") -> dict[str, list["nn.Module"]]:
         """Block name -> the last affine layer (``weight``, optional ``bias``) of each of its residual
-        branches: scaling them scales the branch exactly. Used by ``eval.block_union=rescaled``."""
+        branches: scaling them scales the branch exactly. Used by ``eval.block_union=rescaled`` (and
+        ``subnetdp eval``/``export`` of such a run); empty (the default) leaves every branch at x1."""
         return {}
 
     def hidden_sites(self, model: "nn.Module") -> list[HiddenSite]:
@@ -689,7 +690,7 @@ class DataModule(Plugin, abc.ABC):
 
     @abc.abstractmethod
     def eval_loader(self, batch_size: int) -> Iterable[Any]:
-        """The held-out split, whole, in a fixed order (evaluated on rank 0)."""
+        """The held-out split, whole, in a fixed order (every rank evaluates the same batches)."""
 
 
 class ResumableLoader(abc.ABC):

@@ -8,7 +8,7 @@ Where each hook fires (``subnetdp.train.setup.setup`` and ``subnetdp.train.loop.
     subnetdp_register_models(registry)
     subnetdp_register_datasets(registry)
     cfg = compose(defaults, recipe, overrides)    # schemas of the selected plugins mounted
-    plan = masker.plan(partition, world_size)     # validated before any process group exists
+    plan = masker.plan(partition, world_size, seed)  # validated before any process group exists
     comm.init(); context = RunContext(...)        # frozen from here
     state = TrainState(...)                       # model, optimizer, synchroniser; owner groups created once
     resume from a checkpoint if cfg.resume says so   # state.replan: every rank loads its own pieces

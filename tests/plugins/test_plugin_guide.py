@@ -50,6 +50,41 @@ def test_guide_lists_the_shared_keys_of_every_kind_as_the_code_has_them():
         assert f"`{shared.__name__}` has `{keys}`" in text, (shared.__name__, keys)
 
 
+def guide_section(heading: str) -> str:
+    """The text of the guide's section that starts with ``heading``, up to the next ``## ``."""
+    text = GUIDE.read_text(encoding="utf-8")
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def test_guide_names_every_member_of_every_base_class_in_its_section():
+    # "This page is the whole contract": a method added to a base class and left out of the guide
+    # is one a plugin author never hears of. Plugin's own members belong to section 2.
+    from subnetdp import Communicator, DataModule, Masker, ModelAdapter
+    from subnetdp.core.contracts import Plugin
+
+    sections = {Plugin: "## 2. What every plugin class has", Masker: "## 4. Masker",
+                Communicator: "## 5. Communicator", ModelAdapter: "## 6. Model adapter", DataModule: "## 7. Dataset"}
+    missing = {}
+    for cls, heading in sections.items():
+        members = {n for n in vars(cls) if not n.startswith("_")} - (set() if cls is Plugin else set(vars(Plugin)))
+        body = guide_section(heading)
+        missing[cls.__name__] = sorted(n for n in members if not re.search(rf"`{n}\b", body))
+    assert len({n for n in vars(ModelAdapter) if not n.startswith("_")}) >= 20  # the walk sees the adapter's members
+    assert missing == {name: [] for name in missing}, missing
+
+
+def test_guide_shows_every_hook_with_the_hookspec_parameters():
+    import inspect
+
+    from subnetdp.core import hookspecs
+
+    specs = {n: list(inspect.signature(f).parameters) for n, f in vars(hookspecs).items() if n.startswith("subnetdp_")}
+    assert len(specs) == 8
+    for name, params in specs.items():
+        heading = "## 9. Lifecycle hooks" if name.startswith("subnetdp_on_") else "## 1. How a plugin is found"
+        assert f"`{name}({', '.join(params)})`" in guide_section(heading), (name, params)
+
+
 def test_adapter_built_from_the_guide_trains_on_two_gloo_ranks(tmp_path):
     files = guide_files()
     assert set(files) == {"pyproject.toml", "src/subnetdp_resmlp/__init__.py", "src/subnetdp_resmlp/resmlp.py"}
