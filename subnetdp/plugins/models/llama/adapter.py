@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from subnetdp import ConfigError, DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition, hookimpl
-from subnetdp.plugins.models._blocks import assemble_partition, check_variant, identity_param_map, make_block_unit
+from subnetdp import ConfigError, DataSpec, HiddenSite, ModelConfig, hookimpl
+from subnetdp.plugins.models._blocks import BlockAdapter, check_variant
 from subnetdp.plugins.models.llama.neurons import materialize_neurons, neuron_partition
 from subnetdp.plugins.models.llama.model import DEFAULT_VOCAB, VARIANTS, Llama, LlamaArgs, init_tensor, rotary_tables
 
@@ -72,15 +72,14 @@ class LlamaConfig(ModelConfig):
 ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim")
 
 
-class LlamaAdapter(ModelAdapter):
+class LlamaAdapter(BlockAdapter):
     """LLaMA with block-level units (every transformer block, one group) or neuron-level units
     (ranges of each block's SwiGLU hidden dimension, one group per block)."""
 
-
     Config = LlamaConfig
-    granularities = ("block", "neuron")
-    regularizers = ("stochastic_depth", "hidden_dropout")
     data_kind = "tokens"
+    neuron_partition = staticmethod(neuron_partition)
+    materialize_neurons = staticmethod(materialize_neurons)
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -159,15 +158,13 @@ class LlamaAdapter(ModelAdapter):
 
         return hf_config(options, bos, eos, model.tok_embeddings.weight.dtype), hf_state_dict(model)
 
-    def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
-        if granularity == "neuron":
-            return neuron_partition(model, spec, units_per_layer)
-        if granularity != "block":
-            raise ConfigError("masker.granularity", granularity, "the llama adapter supports: block, neuron")
+    def named_blocks(self, model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+        """Every transformer block, all in one group ``layers``."""
+        return [(f"layers.{key}", "layers", block) for key, block in model.layers.items()]
+
+    def block_costs(self, model: nn.Module, spec: DataSpec) -> dict[str, float]:
         cost = self._block_cost(model, spec)
-        units = [make_block_unit(i, f"layers.{key}", "layers", cost, block)
-                 for i, (key, block) in enumerate(model.layers.items())]
-        return assemble_partition(model, "block", units)
+        return {name: cost for name, _, _ in self.named_blocks(model)}
 
     @staticmethod
     def _block_cost(model: Llama, spec: DataSpec) -> float:
@@ -190,15 +187,10 @@ class LlamaAdapter(ModelAdapter):
             block(x, cos, sin)
         return float(counter.get_total_flops())
 
-    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
-                    rescale: bool = False) -> tuple[nn.Module, ParamMap]:
-        if partition.granularity == "neuron":
-            return materialize_neurons(model, owned, partition, rescale)
-        keep = {partition.units[u].name for u in owned}
+    def drop_blocks(self, model: nn.Module, keep: set[str]) -> None:
         for key in list(model.layers.keys()):
             if f"layers.{key}" not in keep:
                 del model.layers[key]  # a dropped block is the identity: nothing of it is kept
-        return model, identity_param_map(model, partition)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
         return list(submodel.layers.values())

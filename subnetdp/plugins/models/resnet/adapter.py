@@ -17,18 +17,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subnetdp import ConfigError, DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition, hookimpl
-from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
-                                             make_block_unit, measure_module_flops)
+from subnetdp import DataSpec, HiddenSite, ModelConfig, hookimpl
+from subnetdp.plugins.models._blocks import ImageClassifierAdapter, check_variant
 from subnetdp.plugins.models.resnet.model import VARIANTS, build_reference
 from subnetdp.plugins.models.resnet.neurons import STAGES, hidden_layers, materialize_neurons, neuron_partition
-
 
 
 @dataclass
@@ -49,17 +47,14 @@ class DroppedBlock(nn.Module):
         return F.relu(self.downsample(x))
 
 
-def named_blocks(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
-    """``(name, stage, block)`` of every residual block, in forward order (``layer1.0``, ...)."""
-    return [(f"{stage}.{bi}", stage, block) for stage in STAGES for bi, block in enumerate(getattr(model, stage))]
-
-
-class ResNetAdapter(ModelAdapter):
+class ResNetAdapter(ImageClassifierAdapter):
     """torchvision ResNets with block-level units (residual branches)."""
 
     Config = ResNetConfig
-    granularities = ("block", "neuron")
-    regularizers = ("stochastic_depth", "hidden_dropout")
+    shortcut = "downsample"  # shared: a dropped block still computes relu(downsample(x))
+    default_image_size = 32
+    neuron_partition = staticmethod(neuron_partition)
+    materialize_neurons = staticmethod(materialize_neurons)
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -112,29 +107,11 @@ class ResNetAdapter(ModelAdapter):
         """The plain torchvision model for :meth:`reference_options` (used by ``subnetdp export``)."""
         return build_reference(**options)
 
-    def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
-        if granularity == "neuron":
-            return neuron_partition(model, spec, units_per_layer)
-        if granularity != "block":
-            raise ConfigError("masker.granularity", granularity, "the resnet adapter supports: block, neuron")
-        costs = self._block_costs(model, spec)
-        units = [make_block_unit(i, name, stage, costs[name], block, skip="downsample")
-                 for i, (name, stage, block) in enumerate(named_blocks(model))]
-        return assemble_partition(model, "block", units)
+    def named_blocks(self, model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+        """``(name, stage, block)`` of every residual block, in forward order (``layer1.0``, ...)."""
+        return [(f"{stage}.{bi}", stage, block) for stage in STAGES for bi, block in enumerate(getattr(model, stage))]
 
-    @staticmethod
-    def _block_costs(model: nn.Module, spec: DataSpec) -> dict[str, float]:
-        """Forward FLOPs per sample of each residual branch (the block less its shortcut), measured
-        with FlopCounterMode."""
-        flops = measure_module_flops(model, spec, default_size=32)
-        return {name: flops.get(name, 0.0) - flops.get(f"{name}.downsample", 0.0)
-                for name, _, _ in named_blocks(model)}
-
-    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
-                    rescale: bool = False) -> tuple[nn.Module, ParamMap]:
-        if partition.granularity == "neuron":
-            return materialize_neurons(model, owned, partition, rescale)
-        keep = {partition.units[u].name for u in owned}
+    def drop_blocks(self, model: nn.Module, keep: set[str]) -> None:
         for stage in STAGES:
             layer = getattr(model, stage)
             kept: OrderedDict[str, nn.Module] = OrderedDict()
@@ -144,17 +121,10 @@ class ResNetAdapter(ModelAdapter):
                 elif block.downsample is not None:
                     kept[str(bi)] = DroppedBlock(block.downsample)
             setattr(model, stage, nn.Sequential(kept))
-        return model, identity_param_map(model, partition)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
         return [b for stage in STAGES for b in getattr(submodel, stage)
                 if not isinstance(b, DroppedBlock)]
-
-    def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(output, batch[1])
-
-    def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
-        return classification_metrics(outputs, batches)
 
 
 @hookimpl

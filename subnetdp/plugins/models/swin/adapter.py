@@ -25,16 +25,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torchvision.models.swin_transformer import ShiftedWindowAttention, SwinTransformer, SwinTransformerBlock
 
-from subnetdp import ConfigError, DataSpec, HiddenSite, ModelAdapter, ModelConfig, ParamMap, Partition, hookimpl
-from subnetdp.plugins.models._blocks import (assemble_partition, check_variant, classification_metrics, identity_param_map,
-                                             make_block_unit, measure_module_flops)
+from subnetdp import ConfigError, DataSpec, HiddenSite, ModelConfig, hookimpl
+from subnetdp.plugins.models._blocks import ImageClassifierAdapter, check_variant
 from subnetdp.plugins.models.swin.model import VARIANTS, build_reference
 from subnetdp.plugins.models.swin.neurons import materialize_neurons, neuron_partition
 
@@ -72,18 +69,13 @@ def stage_indices(model: SwinTransformer) -> list[int]:
     return list(range(1, len(model.features), 2))
 
 
-def named_blocks(model: SwinTransformer) -> list[tuple[str, str, nn.Module]]:
-    """``(name, stage, block)`` of every Swin block, in forward order (``features.1.0``, ...)."""
-    return [(f"features.{si}.{bi}", f"features.{si}", block) for si in stage_indices(model)
-            for bi, block in enumerate(model.features[si])]
-
-
-class SwinAdapter(ModelAdapter):
+class SwinAdapter(ImageClassifierAdapter):
     """torchvision Swin Transformers: block-level units (one group per stage) or MLP hidden ranges."""
 
     Config = SwinConfig
-    granularities = ("block", "neuron")
-    regularizers = ("stochastic_depth", "hidden_dropout")
+    default_image_size = 224
+    neuron_partition = staticmethod(neuron_partition)
+    materialize_neurons = staticmethod(materialize_neurons)
 
     @classmethod
     def validate_config(cls, cfg: Any, root: Any) -> None:
@@ -152,43 +144,21 @@ class SwinAdapter(ModelAdapter):
         """The plain torchvision model for :meth:`reference_options` (used by ``subnetdp export``)."""
         return build_reference(**options)
 
-    def partition(self, model: nn.Module, granularity: str, spec: DataSpec, units_per_layer: int = 8) -> Partition:
-        if granularity == "neuron":
-            return neuron_partition(model, spec, units_per_layer)
-        if granularity != "block":
-            raise ConfigError("masker.granularity", granularity, "the swin adapter supports: block, neuron")
-        costs = self._block_costs(model, spec)
-        units = [make_block_unit(i, name, group, costs[name], block)
-                 for i, (name, group, block) in enumerate(named_blocks(model))]
-        return assemble_partition(model, "block", units)
+    def named_blocks(self, model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+        """``(name, stage, block)`` of every Swin block, in forward order (``features.1.0``, ...)."""
+        return [(f"features.{si}.{bi}", f"features.{si}", block) for si in stage_indices(model)
+                for bi, block in enumerate(model.features[si])]
 
-    @staticmethod
-    def _block_costs(model: nn.Module, spec: DataSpec) -> dict[str, float]:
-        """Forward FLOPs per sample of each Swin block, measured with FlopCounterMode."""
-        flops = measure_module_flops(model, spec, default_size=224)
-        return {name: flops.get(name, 0.0) for name, _, _ in named_blocks(model)}
-
-    def materialize(self, model: nn.Module, owned: Sequence[int], partition: Partition,
-                    rescale: bool = False) -> tuple[nn.Module, ParamMap]:
-        if partition.granularity == "neuron":
-            return materialize_neurons(model, owned, partition, rescale)
-        keep = {partition.units[u].name for u in owned}
+    def drop_blocks(self, model: nn.Module, keep: set[str]) -> None:
         for si in stage_indices(model):
             # The original block objects under their original indices: shift and drop-path stay theirs.
             kept = OrderedDict((str(bi), block) for bi, block in enumerate(model.features[si])
                                if f"features.{si}.{bi}" in keep)
             model.features[si] = nn.Sequential(kept)
-        return model, identity_param_map(model, partition)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
         return [b for si in stage_indices(submodel) for b in submodel.features[si]
                 if isinstance(b, SwinTransformerBlock)]
-
-    def loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(output, batch[1])
-
-    def metrics(self, outputs: Sequence[torch.Tensor], batches: Sequence[Any]) -> dict[str, float]:
-        return classification_metrics(outputs, batches)
 
 
 @hookimpl
