@@ -1,13 +1,15 @@
-"""A resumable, rank-sharded loader over in-memory tensors (used by the small data modules)."""
+"""A resumable, rank-sharded loader over in-memory tensors, and the base of the small data modules
+(``digits``, ``synthetic``) whose two splits are such tensors."""
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from subnetdp import ResumableLoader
+from subnetdp import DataModule, ResumableLoader
 
 
 class ShardedTensorLoader(ResumableLoader):
@@ -53,3 +55,18 @@ def batched(tensors: Sequence[torch.Tensor], batch_size: int) -> list[tuple[Any,
     """The whole split in order, in batches (the last may be smaller)."""
     n = len(tensors[0])
     return [tuple(t[i:i + batch_size] for t in tensors) for i in range(0, n, batch_size)]
+
+
+class InMemoryData(DataModule):
+    """A data module whose splits are tensors held whole in memory: each rank trains on its shard of
+    the training split (:class:`ShardedTensorLoader`) and evaluates the held-out split in order."""
+
+    @abc.abstractmethod
+    def split(self, train: bool) -> tuple[torch.Tensor, ...]:
+        """The training split (``train``) or the held-out one: ``(images, labels)``."""
+
+    def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedTensorLoader:
+        return ShardedTensorLoader(self.split(train=True), rank, world_size, batch_size, self.seed)
+
+    def eval_loader(self, batch_size: int) -> list:
+        return batched(self.split(train=False), batch_size)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from subnetdp import ConfigError, DataConfig, DataModule, DataSpec, hookimpl
-from subnetdp.plugins.data._sharded import ShardedTensorLoader, batched
+from subnetdp import ConfigError, DataConfig, DataSpec, hookimpl
+from subnetdp.plugins.data._sharded import InMemoryData
 
 
 @dataclass
@@ -23,7 +23,7 @@ class DigitsConfig(DataConfig):
     split_seed: int = 0
 
 
-class DigitsData(DataModule):
+class DigitsData(InMemoryData):
     """scikit-learn's digits as 1-channel images, normalised with the training split's statistics."""
 
     Config = DigitsConfig
@@ -61,11 +61,8 @@ class DigitsData(DataModule):
     def spec(self) -> DataSpec:
         return DataSpec(in_channels=1, image_size=int(self.cfg.image_size), num_classes=10)
 
-    def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedTensorLoader:
-        return ShardedTensorLoader(self._load()[0], rank, world_size, batch_size, self.seed)
-
-    def eval_loader(self, batch_size: int) -> list:
-        return batched(self._load()[1], batch_size)
+    def split(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._load()[0 if train else 1]
 
 
 @hookimpl

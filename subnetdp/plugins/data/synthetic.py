@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from subnetdp import ConfigError, DataConfig, DataModule, DataSpec, hookimpl
-from subnetdp.plugins.data._sharded import ShardedTensorLoader, batched
+from subnetdp import ConfigError, DataConfig, DataSpec, hookimpl
+from subnetdp.plugins.data._sharded import InMemoryData
 
 
 @dataclass
@@ -20,7 +20,7 @@ class SyntheticConfig(DataConfig):
     test_samples: int = 256
 
 
-class SyntheticData(DataModule):
+class SyntheticData(InMemoryData):
     """Gaussian images; the label is the argmax of a fixed random linear map of the image."""
 
     Config = SyntheticConfig
@@ -43,11 +43,9 @@ class SyntheticData(DataModule):
         return DataSpec(in_channels=int(self.cfg.in_channels), image_size=int(self.cfg.image_size),
                         num_classes=int(self.cfg.num_classes))
 
-    def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedTensorLoader:
-        return ShardedTensorLoader(self._make(int(self.cfg.train_samples), 1), rank, world_size, batch_size, self.seed)
-
-    def eval_loader(self, batch_size: int) -> list:
-        return batched(self._make(int(self.cfg.test_samples), 2), batch_size)
+    def split(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # Two independent draws (generator seeds 1 and 2); the teacher labelling them is the same.
+        return self._make(int(self.cfg.train_samples), 1) if train else self._make(int(self.cfg.test_samples), 2)
 
 
 @hookimpl
