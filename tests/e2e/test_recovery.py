@@ -5,16 +5,19 @@ ResNet-18 on digits at C = 0.5 with ``masker.min_owners=2``: ranks 0 and 1 own t
 saves every step; the killed runs save at step 4 only (``checkpoint.every=4``, and the final one). Rank 1
 is SIGKILLed at four moments of step 4: inside its gradient averaging (the run must resume from step 3,
 the last finished step), right after its optimizer update and inside step 4's checkpoint write (both
-from step 4, assembled from the survivors' files), and right after the checkpoint (from the checkpoint).
-Nothing finished is trained again, the resumed checkpoint holds exactly the reference's values and
-optimizer state of that step, and the run ends with the reference's parameters and optimizer state.
-A plan whose units have one owner, and two co-owners killed at once, fall back to the newest complete
-checkpoint and name what was lost. No path leaves a process or prints a traceback.
+from step 4, assembled from the survivors' files), and right after the checkpoint (from the
+checkpoint). A rank that stalls in step 4's averaging (SIGSTOP) is named after ``comm.timeout_s`` and
+the survivors resume from step 3 as after a death. Nothing finished is trained again, the resumed
+checkpoint holds exactly the reference's values and optimizer state of that step, and the run ends
+with the reference's parameters and optimizer state. A plan whose units have one owner, and two
+co-owners killed at once, fall back to the newest complete checkpoint and name what was lost. No
+path leaves a process or prints a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +80,8 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
                      env={where: "4"})
     run = tmp_path / "killed"
     assert ck.fault_marker(run, where, 4, 1).exists()  # the kill really happened
-    assert "rank(s) 1 gone" in proc.stderr
+    # Every survivor names the dead rank, and only it (a survivor that already left is not taken for dead).
+    assert set(re.findall(r"rank\(s\) ([\d, ]+) gone", proc.stderr)) == {"1"}, proc.stderr[-3000:]
     if recovered is None:  # killed after step 4's checkpoint: nothing newer to recover, the checkpoint serves
         assert "recovered step" not in proc.stdout
         recovered = 4
@@ -97,6 +101,19 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(survivors.survivors_dir(run).iterdir())  # superseded fragments are gone
     assert not list(ck.checkpoints_dir(run).glob("*.tmp"))  # so is a torn save's leftover
+
+
+def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, tmp_path):
+    # SIGSTOP inside step 4's gradient averaging: the survivors time out (comm.timeout_s), name the
+    # silent rank, keep their units as of step 3; the agent SIGKILLs the stopped rank and restarts.
+    proc = _torchrun(tmp_path, "stalled", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
+                     "comm.timeout_s=30", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"})
+    run = tmp_path / "stalled"
+    assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()
+    assert "rank(s) 1 stopped answering" in proc.stderr, proc.stderr[-3000:]
+    assert "recovered step 3 from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
+    _assert_pieces_equal(ck.step_dir(run, 3), ck.step_dir(reference, 3))
+    _assert_pieces_equal(ck.step_dir(run, 6), ck.step_dir(reference, 6))
 
 
 def test_two_co_owners_killed_at_once_fall_back_and_name_the_lost_units(tmp_path):

@@ -53,6 +53,7 @@ KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL r
 KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
 KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
 KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
+KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
 
 
 # --------------------------------------------------------------------------- layout
@@ -130,7 +131,8 @@ def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
 
     Fires on the ranks listed in ``$SUBNETDP_TEST_KILL_RANK`` (default 1; "1,2" kills two at the same
     point), once per rank and run directory (a marker file remembers it), so a restarted group runs
-    through. Does nothing unless the variable is set.
+    through. ``$SUBNETDP_TEST_KILL_SIGNAL=STOP`` sends SIGSTOP instead: a stalled peer, which its
+    agent's SIGKILL ends. Does nothing unless the variable is set.
     """
     if os.environ.get(name) != str(step) or str(rank) not in os.environ.get(KILL_RANK, "1").split(","):
         return
@@ -138,7 +140,7 @@ def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
     if marker.exists():
         return
     marker.write_text("fired\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get(KILL_SIGNAL) == "STOP" else signal.SIGKILL)
 
 
 def fault_marker(marker_dir: Path, name: str, step: int, rank: int) -> Path:
