@@ -54,23 +54,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(layout: str, args: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """Run one job; returns (exit status, stdout of every agent)."""
+def _launch(layout: str, args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """Run one job; returns (exit status, stdout of every agent, the end of their stderr)."""
     nodes, per = (int(x) for x in layout.split("x"))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     if nodes == 1:
         p = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", str(per), "--max-restarts", "1",
                             "-m", "subnetdp", *args], capture_output=True, text=True, env=full_env, timeout=7200)
-        return p.returncode, p.stdout
+        return p.returncode, p.stdout, p.stderr[-3000:]
     port, rid = _free_port(), f"bench{random.randrange(10**9)}"
     procs = [subprocess.Popen([TORCHRUN, "--nnodes", str(nodes), "--nproc-per-node", str(per), "--node-rank", str(n),
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rid,
                                "--max-restarts", "1", "-m", "subnetdp", *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**full_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
              for n in range(nodes)]
-    outs = [p.communicate(timeout=7200)[0] for p in procs]
-    return max(p.returncode for p in procs), "".join(outs)
+    outs = [p.communicate(timeout=7200) for p in procs]
+    return max(p.returncode for p in procs), "".join(o for o, _ in outs), "".join(e[-1500:] for _, e in outs)
 
 
 def _first_step_after(run: Path, step: int, since: float) -> float | None:
@@ -101,9 +101,11 @@ def _same(a: Path, b: Path) -> bool:
 def trial(layout: str, kill: int, survivors: bool, steps: int, every: int, tmp: Path, ref: Path) -> dict[str, Any]:
     name = f"{layout}-k{kill}-{'rec' if survivors else 'plain'}"
     args = _common(steps, every) + [f"run.dir={tmp}", f"run.name={name}", f"checkpoint.survivors={str(survivors).lower()}"]
-    code, out = _launch(layout, args, {ck.KILL_IN_SYNC: str(kill)})
+    code, out, err = _launch(layout, args, {ck.KILL_IN_SYNC: str(kill)})
+    if code != 0:
+        print(f"{name}: exit {code}\n{err}", file=sys.stderr, flush=True)
     run = tmp / name
-    marker = run / f".{ck.KILL_IN_SYNC.lower()}-{kill}"
+    marker = ck.fault_marker(run, ck.KILL_IN_SYNC, kill, 1)
     resumed = [int(m) for m in re.findall(r"resumed from \S+ \(step (\d+)\)", out)]
     start = resumed[0] if resumed else 0
     killed_at = marker.stat().st_mtime if marker.exists() else None
@@ -130,8 +132,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        code, _ = _launch("1x4", _common(args.steps, args.every) + [f"run.dir={tmp}", "run.name=ref"], {})
-        assert code == 0, "the uninterrupted reference run failed"
+        code, _, err = _launch("1x4", _common(args.steps, args.every) + [f"run.dir={tmp}", "run.name=ref"], {})
+        if code != 0:
+            sys.exit(f"the uninterrupted reference run failed:\n{err}")
         for layout in args.layouts.split(","):
             for kill in kills:
                 for survivors in (True, False):

@@ -65,7 +65,7 @@ def reference(tmp_path_factory) -> Path:
 def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_matches(reference, tmp_path):
     proc = _torchrun(tmp_path, "killed", "resume=auto", "checkpoint.every=3", restarts=1, env={ck.KILL_AT_STEP: "4"})
     run = tmp_path / "killed"
-    assert (run / f".{ck.KILL_AT_STEP.lower()}-4").exists()  # the kill really happened
+    assert ck.fault_marker(run, ck.KILL_AT_STEP, 4, 1).exists()  # the kill really happened
     assert f"resumed from {ck.step_dir(run, 3)} (step 3)" in proc.stdout
     _assert_same(_final_tensors(run), _final_tensors(reference))
     ref_summary = json.loads((reference / "summary.json").read_text())

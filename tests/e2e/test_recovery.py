@@ -1,18 +1,23 @@
 """Recovery from the surviving owners, with real kills under ``torchrun --max-restarts 1`` (4 gloo ranks).
 
-ResNet-18 on digits at C = 0.5 with ``masker.min_owners=2``: every unit has two owners, so one dead
-rank takes nothing that a survivor does not hold. The reference run saves every step. A run with no
-periodic checkpoint whose rank 1 is SIGKILLed inside step 4's gradient averaging must resume from
-step 3 (the last finished step: nothing finished is trained again), and one killed right after step
-4's update from step 4; the checkpoint assembled from the survivors' files must hold exactly the
-reference's values and optimizer state of that step, and the run must end with the reference's
-parameters and optimizer state. A plan whose units have one owner falls back to the newest complete
-checkpoint and names what was lost. No path leaves a process or prints a traceback.
+ResNet-18 on digits at C = 0.5 with ``masker.min_owners=2``: ranks 0 and 1 own the same four units, ranks
+2 and 3 the other four, so one dead rank takes nothing that a survivor does not hold. The reference run
+saves every step; the killed runs save at step 4 only (``checkpoint.every=4``, and the final one). Rank 1
+is SIGKILLed at four moments of step 4: inside its gradient averaging (the run must resume from step 3,
+the last finished step), right after its optimizer update and inside step 4's checkpoint write (both
+from step 4, assembled from the survivors' files), and right after the checkpoint (from the
+checkpoint). A rank that stalls in step 4's averaging (SIGSTOP) is named after ``comm.timeout_s`` and
+the survivors resume from step 3 as after a death. Nothing finished is trained again, the resumed
+checkpoint holds exactly the reference's values and optimizer state of that step, and the run ends
+with the reference's parameters and optimizer state. A plan whose units have one owner, and two
+co-owners killed at once, fall back to the newest complete checkpoint and name what was lost. No
+path leaves a process or prints a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,18 +73,24 @@ def reference(tmp_path_factory) -> Path:
     return tmp / "ref"
 
 
-@pytest.mark.parametrize("where, recovered", [(ck.KILL_IN_SYNC, 3), (ck.KILL_IN_UPDATE, 4)])
+@pytest.mark.parametrize("where, recovered", [(ck.KILL_IN_SYNC, 3), (ck.KILL_IN_UPDATE, 4), (ck.KILL_IN_WRITE, 4),
+                                              (ck.KILL_AT_STEP, None)])
 def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, where, recovered):
-    proc = _torchrun(tmp_path, "killed", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
+    proc = _torchrun(tmp_path, "killed", "masker.min_owners=2", "checkpoint.every=4", "checkpoint.final=always",
                      env={where: "4"})
     run = tmp_path / "killed"
-    assert (run / f".{where.lower()}-4").exists()  # the kill really happened
+    assert ck.fault_marker(run, where, 4, 1).exists()  # the kill really happened
+    # Every survivor names the dead rank, and only it (a survivor that already left is not taken for dead).
+    assert set(re.findall(r"rank\(s\) ([\d, ]+) gone", proc.stderr)) == {"1"}, proc.stderr[-3000:]
+    if recovered is None:  # killed after step 4's checkpoint: nothing newer to recover, the checkpoint serves
+        assert "recovered step" not in proc.stdout
+        recovered = 4
+    else:
+        assert f"recovered step {recovered} from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
+        manifest = ck.read_manifest(ck.step_dir(run, recovered))
+        assert manifest["absent_ranks"] == [1] and manifest["recovered_from"] == [0, 2, 3]
     step = ck.step_dir(run, recovered)
-    assert f"recovered step {recovered} from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
     assert f"resumed from {step} (step {recovered})" in proc.stdout
-    assert "rank(s) 1 gone" in proc.stderr
-    manifest = ck.read_manifest(step)
-    assert manifest["absent_ranks"] == [1] and manifest["recovered_from"] == [0, 2, 3]
     # Every piece (value and optimizer state) as the surviving owners held it at that step.
     _assert_pieces_equal(step, ck.step_dir(reference, recovered))
     # ...and the run goes on to the reference's end: parameters and optimizer state bit for bit.
@@ -89,6 +100,31 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
         a, b = load_file(str(ck.step_dir(run, 6) / name)), load_file(str(ck.step_dir(reference, 6) / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(survivors.survivors_dir(run).iterdir())  # superseded fragments are gone
+    assert not list(ck.checkpoints_dir(run).glob("*.tmp"))  # so is a torn save's leftover
+
+
+def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, tmp_path):
+    # SIGSTOP inside step 4's gradient averaging: the survivors time out (comm.timeout_s), name the
+    # silent rank, keep their units as of step 3; the agent SIGKILLs the stopped rank and restarts.
+    proc = _torchrun(tmp_path, "stalled", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
+                     "comm.timeout_s=30", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"})
+    run = tmp_path / "stalled"
+    assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()
+    assert "rank(s) 1 stopped answering" in proc.stderr, proc.stderr[-3000:]
+    assert "recovered step 3 from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
+    _assert_pieces_equal(ck.step_dir(run, 3), ck.step_dir(reference, 3))
+    _assert_pieces_equal(ck.step_dir(run, 6), ck.step_dir(reference, 6))
+
+
+def test_two_co_owners_killed_at_once_fall_back_and_name_the_lost_units(tmp_path):
+    # Ranks 0 and 1 are the only owners of units 0, 2, 4 and 6: killed together, those units are gone.
+    proc = _torchrun(tmp_path, "both", "masker.min_owners=2", "checkpoint.every=2",
+                     env={ck.KILL_IN_SYNC: "4", ck.KILL_RANK: "0,1"})
+    run = tmp_path / "both"
+    assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 0).exists() and ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()
+    assert "the survivors' files cannot make a whole step: step 3 (from ranks [2, 3]) lacks layer" in proc.stdout
+    assert "(no surviving owner); resuming from the newest complete checkpoint" in proc.stdout
+    assert f"resumed from {ck.step_dir(run, 2)} (step 2)" in proc.stdout
 
 
 def test_a_unit_with_no_surviving_owner_falls_back_to_the_newest_checkpoint(tmp_path):

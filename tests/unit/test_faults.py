@@ -26,7 +26,7 @@ def test_kill_while_pruning_leaves_no_half_checkpoint_and_the_leftover_is_cleane
     env = {**os.environ, "OMP_NUM_THREADS": "1", ck.KILL_IN_PRUNE: "1", ck.KILL_RANK: "0"}
     killed = subprocess.run([*CLI, f"run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300)
     run = tmp_path / "pruned"
-    assert killed.returncode == -9 and (run / f".{ck.KILL_IN_PRUNE.lower()}-1").exists(), killed.stderr[-2000:]
+    assert killed.returncode == -9 and ck.fault_marker(run, ck.KILL_IN_PRUNE, 1, 0).exists(), killed.stderr[-2000:]
     names = sorted(p.name for p in ck.checkpoints_dir(run).iterdir())
     # The victim was renamed before any file went: no step_* directory lacks its manifest.
     assert names == ["step_00000001.deleting", "step_00000002"], names

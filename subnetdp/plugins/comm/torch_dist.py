@@ -81,6 +81,25 @@ def dead_on_this_host(store: Any, members: Sequence[int]) -> tuple[list[int], li
     return dead, elsewhere
 
 
+def lost_on_this_host(store: Any, rank: int, members: Sequence[int], key: str,
+                      grace: float) -> tuple[list[int], list[int]]:
+    """(members of this host that died, members on other hosts) after a connection closed.
+
+    This rank checks in at ``key/<rank>`` first: a survivor that saw the failure, kept its units and
+    left before another survivor looks is not taken for the dead one. A dead process's sockets close
+    while it is still exiting, so a survivor may look before the process is gone: it looks again
+    until one is, for at most ``grace`` seconds (2 at most: a peer elsewhere is asked afterwards).
+    """
+    store.set(f"{key}/{rank}", "saw it")
+    deadline = time.monotonic() + min(grace, 2.0)
+    while True:
+        dead, elsewhere = dead_on_this_host(store, members)
+        dead = [r for r in dead if r != rank and not store.check([f"{key}/{r}"])]
+        if dead or time.monotonic() >= deadline:
+            return dead, elsewhere
+        time.sleep(0.05)
+
+
 def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float,
                   candidates: Sequence[int] | None = None) -> list[int]:
     """The members of a failed collective that never reported the failure themselves.
@@ -187,12 +206,13 @@ class TorchDistCommunicator(Communicator):
             try:
                 store = dist.distributed_c10d._get_default_store()
                 grace = max(2.0, min(10.0, float(self.cfg.timeout_s) / 10))
+                key = f"subnetdp/stall/{self._stalls}"
                 if timeout:
-                    silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
+                    silent = stalled_peers(store, self.rank, members, key, grace)
                 else:  # a connection closed: a process of this host is looked at, one elsewhere asked
-                    dead, elsewhere = dead_on_this_host(store, members)
-                    silent = sorted(dead + stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}",
-                                                         grace, [r for r in elsewhere if r != self.rank]))
+                    dead, elsewhere = lost_on_this_host(store, self.rank, members, key, grace)
+                    silent = sorted(dead + stalled_peers(store, self.rank, members, key, grace,
+                                                         [r for r in elsewhere if r != self.rank]))
             except Exception:  # the store went with the job (it lived in a dead rank): say what is known
                 silent = []
             names = f"rank(s) {', '.join(map(str, silent))}" if silent else None

@@ -52,7 +52,8 @@ KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL b
 KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL rank 0 amid a removal
 KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
 KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
-KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which rank the two hooks above kill (default 1)
+KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
+KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
 
 
 # --------------------------------------------------------------------------- layout
@@ -128,16 +129,23 @@ def resolve_checkpoint(path: Path) -> Path:
 def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
     """Test-only fault injection: SIGKILL this process once when ``$name`` equals ``step``.
 
-    Fires on rank ``$SUBNETDP_TEST_KILL_RANK`` (default 1), once per run directory (a marker file
-    remembers it), so a restarted group runs through. Does nothing unless the variable is set.
+    Fires on the ranks listed in ``$SUBNETDP_TEST_KILL_RANK`` (default 1; "1,2" kills two at the same
+    point), once per rank and run directory (a marker file remembers it), so a restarted group runs
+    through. ``$SUBNETDP_TEST_KILL_SIGNAL=STOP`` sends SIGSTOP instead: a stalled peer, which its
+    agent's SIGKILL ends. Does nothing unless the variable is set.
     """
-    if os.environ.get(name) != str(step) or rank != int(os.environ.get(KILL_RANK, "1")):
+    if os.environ.get(name) != str(step) or str(rank) not in os.environ.get(KILL_RANK, "1").split(","):
         return
-    marker = Path(marker_dir) / f".{name.lower()}-{step}"
+    marker = fault_marker(marker_dir, name, step, rank)
     if marker.exists():
         return
     marker.write_text("fired\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get(KILL_SIGNAL) == "STOP" else signal.SIGKILL)
+
+
+def fault_marker(marker_dir: Path, name: str, step: int, rank: int) -> Path:
+    """The file :func:`fault_point` leaves when it fired (tests check the kill really happened)."""
+    return Path(marker_dir) / f".{name.lower()}-{step}.rank{rank}"
 
 
 def step_faults(rank: int, marker_dir: Path) -> Callable[[str, int], None] | None:
@@ -176,7 +184,7 @@ def write_atomic(path: Path, write: Callable[[Path], None], fault: tuple[int, in
         os.fsync(f.fileno())
     entry = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
     if fault is not None:
-        fault_point(KILL_IN_WRITE, fault[0], fault[1], path.parent.parent)
+        fault_point(KILL_IN_WRITE, fault[0], fault[1], path.parent.parent.parent)  # run_dir/checkpoints/step.tmp/file
     os.replace(tmp, path)
     return entry
 
