@@ -347,12 +347,16 @@ class ByteCounter:
     by_group: dict[tuple[int, ...], int] = field(default_factory=dict)
     by_phase: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
     calls: int = 0
+    #: Collectives issued per phase (``"step"`` included) and group: a round trip each, whatever its size.
+    calls_by_phase: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
     current: str = "step"
 
     def add(self, group: tuple[int, ...], nbytes: int) -> None:
         into = self.by_group if self.current == "step" else self.by_phase.setdefault(self.current, {})
         into[group] = into.get(group, 0) + nbytes
         self.calls += 1
+        counts = self.calls_by_phase.setdefault(self.current, {})
+        counts[group] = counts.get(group, 0) + 1
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -373,6 +377,7 @@ class ByteCounter:
     def reset(self) -> None:
         self.by_group.clear()
         self.by_phase.clear()
+        self.calls_by_phase.clear()
         self.calls = 0
 
 

@@ -26,7 +26,7 @@ from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, trai
 from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import StepContext, train_step
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import SyncSettings
+from subnetdp.sdp.sync import Checked, SyncSettings
 from subnetdp.sdp.synchronizers import make_synchronizer
 from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.variants import is_backward, local_model
@@ -78,11 +78,11 @@ class DryRunGuard:
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
-    def carry(self, sync: Any, loss: torch.Tensor) -> None:
+    def carry(self, sync: Any, loss: torch.Tensor, signum: int = 0) -> None:
         return None
 
-    def check(self, step: int, sync: Any, loss: torch.Tensor, need_norm: bool) -> tuple[bool, None]:
-        return True, None
+    def check(self, step: int, sync: Any, loss: torch.Tensor, need_norm: bool, signum: int = 0) -> Checked:
+        return Checked(True, None, {})
 
     def clip(self, sync: Any, norm: None, max_norm: float) -> None:
         if max_norm <= 0:

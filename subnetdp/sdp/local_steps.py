@@ -49,7 +49,7 @@ from torch import nn
 from subnetdp.core.contracts import Communicator, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, NonFiniteError
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import OwnerGroupAverager, SyncSettings
+from subnetdp.sdp.sync import FLAG_SLOTS, OwnerGroupAverager, SyncSettings
 
 
 def check_config(cfg: Any) -> None:
@@ -91,6 +91,7 @@ class LocalStepsSynchronizer:
     # The inner step's inf/NaN check is this rank's own (no collective between synchronisations):
     # the guard reads :meth:`carried` and never folds flags over the world.
     replicated = True
+    checks_locally = True  # no world collective between synchronisations: the loop agrees on a stop itself
     owners_diverge = True  # owners' copies differ between synchronisations: each owner checkpoints its own
 
     def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
@@ -184,14 +185,17 @@ class LocalStepsSynchronizer:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(a, non_blocking=True).sub_(p)  # this rank's pseudo-gradient: minus its delta
-        flags = self.nonfinite.to(device=b._device(), dtype=b._dtype())
+        world = self.comm.world_size
+        # The carrier's stop-signal slots stay 0: the loop agrees on a stop after every local step.
+        flags = torch.zeros(FLAG_SLOTS * world, device=b._device(), dtype=b._dtype())
+        flags[:world] = self.nonfinite
         carried = b.carry(flags)
         b.finish()  # collective: every owner group averages its buckets (the world its shared tensors)
         if carried:
             flags = b.carried()
-        elif self.comm.world_size > 1:  # no bucket goes to the whole world: the counts need their own
+        elif world > 1:  # no bucket goes to the whole world: the counts need their own
             self.comm.all_reduce(flags, self.comm.world).wait()  # collective: every rank
-        self._check_finite(flags.cpu(), step)
+        self._check_finite(flags[:world].cpu(), step)
         lr, mu = self.outer_lr, self.outer_momentum
         for name, p in self.params.items():
             a = self._anchor[name]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Mapping, NamedTuple, Optional, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from subnetdp.core.contracts import Communicator, Handle, ParamMap, Partition
 from subnetdp.core.errors import NonFiniteError
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
 from subnetdp.core.plan import MaskPlan
+
+#: Values per rank that ride in the world's last gradient bucket and in the guard's reduction: the
+#: first W slots hold each rank's inf/NaN flag, the next W its pending stop signal (0: none).
+FLAG_SLOTS = 2
 
 
 @dataclass(eq=False)
@@ -156,8 +160,12 @@ class GradSynchronizer(Protocol):
     def no_sync(self) -> ContextManager[None]:
         """Accumulate gradients locally: no collective inside the block."""
 
+    #: Whether the guard's check stays on this rank (local steps between synchronisations): the
+    #: step then agrees on no world flags, and the loop agrees on a stop in a collective of its own.
+    checks_locally: bool
+
     def carry(self, flags: torch.Tensor) -> bool:
-        """Let ``flags`` (one per rank) ride along this step's collectives; False if it cannot."""
+        """Let ``flags`` (:data:`FLAG_SLOTS` per rank) ride along this step's collectives; False if it cannot."""
 
     def carried(self) -> Optional[torch.Tensor]:
         """The world's sum of the carried flags, after :meth:`finish`."""
@@ -222,6 +230,7 @@ class EveryStepSync:
     ``ShardedOwnerAverager``) answer alike: no state besides the model, nothing after an update."""
 
     owners_diverge = False  # every owner holds the same averaged values after every step
+    checks_locally = False  # every step's flags reach the world (carried, or in the guard's reduction)
 
     def defer_nonfinite(self, step: int) -> bool:
         return False  # every step is synchronised: the guard applies train.on_nonfinite at once
@@ -300,13 +309,13 @@ class OwnerGroupAverager(EveryStepSync):
                             for chunk in _split(by_set[owners], cap, reach=True)]
         # Every piece averaged over the world (C = 1): all ranks hold the same averaged gradient.
         self.replicated = all(it.k == comm.world_size for it in items)
-        # The world's last bucket carries W extra slots: per-rank flags (non-finite loss) summed with
-        # the gradients, so the check needs no collective of its own.
+        # The world's last bucket carries 2W extra slots: per-rank flags (non-finite loss, pending stop
+        # signal) summed with the gradients, so at C = 1 neither the guard nor the stop needs a collective.
         self._carrier: Bucket | None = None
         world_buckets = [b for b in self.buckets if b.owners == self.world and comm.world_size > 1]
         if world_buckets:
             self._carrier = world_buckets[-1]
-            self._carrier.numel += comm.world_size
+            self._carrier.numel += FLAG_SLOTS * comm.world_size
         self._flags: torch.Tensor | None = None
         self._carried: torch.Tensor | None = None
         self._bind()
@@ -410,7 +419,7 @@ class OwnerGroupAverager(EveryStepSync):
             self._sync_enabled = True
 
     def carry(self, flags: torch.Tensor) -> bool:
-        """Have ``flags`` (one value per rank) summed over the world with this step's gradients.
+        """Have ``flags`` (:data:`FLAG_SLOTS` values per rank) summed over the world with this step's gradients.
 
         Call it before the last micro-batch's backward (the carrying bucket may launch during it).
         Returns False when no bucket goes to the whole world (one rank, or no shared tensors): the
@@ -418,9 +427,11 @@ class OwnerGroupAverager(EveryStepSync):
         """
         if self._carrier is None:
             return False
+        if flags.numel() != FLAG_SLOTS * self.comm.world_size:  # would overwrite gradients, silently
+            raise ValueError(f"carry takes {FLAG_SLOTS} flags per rank, got {flags.numel()} for {self.comm.world_size} ranks")
         self._flags = flags.to(self._dtype())
         if not self.dense:
-            self._ensure_buffer(self._carrier)[-self.comm.world_size:].copy_(self._flags)
+            self._ensure_buffer(self._carrier)[-self._flags.numel():].copy_(self._flags)
         return True
 
     def carried(self) -> torch.Tensor | None:
@@ -490,7 +501,7 @@ class OwnerGroupAverager(EveryStepSync):
             b.handle.wait()
             b.handle = None  # the work object keeps the buffer alive: let per-step buckets go now
             if b is self._carrier and self._flags is not None:
-                self._carried = b.buffer[-self.comm.world_size:].clone()
+                self._carried = b.buffer[-self._flags.numel():].clone()
             b.buffer.div_(b.k)
             for s in b.segments:
                 if s.local is not None and s.local not in self._view:
@@ -512,11 +523,11 @@ class OwnerGroupAverager(EveryStepSync):
                     chunk[s.offset:s.offset + s.item.numel].view(s.item.shape).copy_(
                         self._local(self.params[s.local].grad, s))
             if b is self._carrier and self._flags is not None:
-                chunk[-self.comm.world_size:].copy_(self._flags)
+                chunk[-self._flags.numel():].copy_(self._flags)
             # collective: every rank issues every chunk, in the same global order.
             self.comm.all_reduce(chunk, self.world).wait()
             if b is self._carrier and self._flags is not None:
-                self._carried = chunk[-self.comm.world_size:].clone()
+                self._carried = chunk[-self._flags.numel():].clone()
             for s in b.segments:
                 if s.local is not None:
                     piece = chunk[s.offset:s.offset + s.item.numel].view(s.item.shape)
@@ -583,7 +594,7 @@ def clip_to(averager: "OwnerGroupAverager", norm: float, max_norm: float) -> Non
 def world_norm(comm: Communicator, local_squares: torch.Tensor, flags: torch.Tensor | None = None) -> float:
     """``sqrt`` of the world's sum of ``local_squares`` (float64 scalar); ``flags`` ride along, summed in place.
 
-    With ``flags`` (one value per rank), this rank's flag is raised first when its own share is not
+    With ``flags`` (:data:`FLAG_SLOTS` values per rank), this rank's flag is raised first when its own share is not
     finite: inf and NaN in any gradient propagate into it, so the norm doubles as the inf/NaN check.
     Collective: every rank of the world calls it.
     """
@@ -596,6 +607,16 @@ def world_norm(comm: Communicator, local_squares: torch.Tensor, flags: torch.Ten
     return math.sqrt(float(both[0]))
 
 
+class Checked(NamedTuple):
+    """What :meth:`NonFiniteGuard.check` learnt of a step."""
+
+    finite: bool  # every rank's loss and averaged gradients are finite
+    norm: float | None  # the averaged gradient's global norm, when it was needed
+    #: rank -> pending stop signal, the same on every rank (empty: none); None when the step issued no
+    #: world reduction that carried them (local steps between synchronisations), so the loop agrees itself.
+    stops: dict[int, int] | None
+
+
 class NonFiniteGuard:
     """The synchroniser's inf/NaN guard: a step whose loss or gradients are not finite on any rank.
 
@@ -604,6 +625,10 @@ class NonFiniteGuard:
     norm is then the gradient check: one pass over the gradients, not two), or in one small
     all-reduce of their own. At C = 1 every rank holds the same averaged gradient, so its own check
     is everyone's and no collective is issued. The guard's scalars are counted in phase ``"guard"``.
+
+    Each rank's pending stop signal (SIGINT/SIGTERM, :class:`~subnetdp.train.stopping.StopRequest`)
+    rides in the same world reduction, beside its flag (:data:`FLAG_SLOTS`), so every rank learns in
+    the step whether any rank was asked to stop, and the loop needs no collective of its own for it.
 
     Args:
         comm: the communicator.
@@ -615,26 +640,33 @@ class NonFiniteGuard:
     def __init__(self, comm: Communicator, policy: str = "stop", last_good: Callable[[], Any] = lambda: None) -> None:
         self.comm, self.policy, self.last_good = comm, policy, last_good
 
-    def carry(self, sync: GradSynchronizer, loss: torch.Tensor) -> None:
-        """Hand this rank's "loss is not finite" flag to the synchroniser, before the last backward.
+    def carry(self, sync: GradSynchronizer, loss: torch.Tensor, signum: int = 0) -> None:
+        """Hand this rank's "loss is not finite" flag and its pending signal ``signum`` (0: none) to
+        the synchroniser, before the last backward.
 
         No host synchronisation happens here.
         """
-        flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=loss.device)
-        flags[self.comm.rank] = (~torch.isfinite(loss)).any().float()
+        world, rank = self.comm.world_size, self.comm.rank
+        flags = torch.zeros(FLAG_SLOTS * world, dtype=torch.float32, device=loss.device)
+        flags[rank] = (~torch.isfinite(loss)).any().float()
+        flags[world + rank] = float(signum)
         sync.carry(flags)
 
-    def check(self, step: int, sync: GradSynchronizer, loss: torch.Tensor, need_norm: bool) -> tuple[bool, float | None]:
-        """Whether every rank's loss and averaged gradients are finite; and the gradient norm if asked.
+    def check(self, step: int, sync: GradSynchronizer, loss: torch.Tensor, need_norm: bool,
+              signum: int = 0) -> Checked:
+        """Whether every rank's loss and averaged gradients are finite; the gradient norm if asked;
+        and which ranks hold a stop signal (``signum``: this rank's, 0 for none).
 
         Collective below C = 1 (every rank calls it once per step).
         """
         comm, world = self.comm, self.comm.world_size
-        flags = torch.zeros(world, dtype=torch.float64, device=loss.device)
+        flags = torch.zeros(FLAG_SLOTS * world, dtype=torch.float64, device=loss.device)
         carried = sync.carried()
         if carried is None:
             flags[comm.rank] += (~torch.isfinite(loss)).any().double()
         fold = world > 1 and not (sync.replicated and carried is not None)  # flags need a collective
+        if fold or carried is None:
+            flags[world + comm.rank] = float(signum)  # read now: a signal since carry still counts this step
         norm = None
         with comm.bytes.phase("guard"):  # a guard, not a training step's traffic
             if need_norm:
@@ -652,21 +684,27 @@ class NonFiniteGuard:
                     norms = torch.stack(torch._foreach_norm(grads, 2.0))
                     flags[comm.rank] += (~torch.isfinite(norms)).any().double()
                 if fold:
-                    comm.all_reduce(flags, comm.world).wait()  # collective: who saw inf/NaN
+                    # collective: every rank, once a step: who saw inf/NaN, who holds a stop signal.
+                    comm.all_reduce(flags, comm.world).wait()
         if carried is not None:
-            flags += carried.double()
-        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+            flags[:world] += carried[:world].double()
+            if not fold:  # the signals the gradients carried (when the guard's reduction did, they are in flags)
+                flags[world:] = carried[world:].double()
+        values = flags.tolist()
+        ranks = [r for r, f in enumerate(values[:world]) if f]
+        agreed = world == 1 or not sync.checks_locally
+        stops = {r: int(s) for r, s in enumerate(values[world:]) if s} if agreed else None
         if not ranks:
-            return True, norm
+            return Checked(True, norm, stops)
         if sync.defer_nonfinite(step):
             # Local steps: no collective between synchronisations; this rank skips its step, and every
             # rank hears of it at the next synchronisation (which applies train.on_nonfinite).
-            return False, norm
+            return Checked(False, norm, stops)
         where = f"step {step}, rank(s) {', '.join(map(str, ranks))}"
         if self.policy == "skip":
             if comm.rank == 0:
                 print(f"warning: non-finite loss or gradients at {where}: step skipped", flush=True)
-            return False, norm
+            return Checked(False, norm, stops)
         raise NonFiniteError(f"non-finite loss or gradients at {where}; the last good checkpoint is "
                              f"{self.last_good() or 'none (no checkpoint was written yet)'} — lower optim.lr, set "
                              "optim.clip_grad_norm, or set train.on_nonfinite=skip")

@@ -79,7 +79,9 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                 with meter.step(step, state.lasting_tensors):
                     # collective: owner groups average the gradients, the guard, and (when due) local steps'
                     # synchronisation and backward masking's refresh, in the step's fixed order.
-                    out = state.train_step(batches, step=step, need_norm=log_step, probe=probe.at(step))
+                    # Every rank's pending signal rides in the step's world reduction (out.stops).
+                    out = state.train_step(batches, step=step, need_norm=log_step, probe=probe.at(step),
+                                           pending_signal=stopper.pending if stopper is not None else None)
                     redrawn = state.drawn_plan(step)  # masker.resample_every
                     if redrawn is not None and step < steps:
                         # collective: every rank re-draws the same plan and receives the pieces it gains.
@@ -95,7 +97,9 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                 hook.subnetdp_on_step_end(context=ctx, state=state, step=step, metrics=metrics)
                 ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
                 if stopper is not None and step < steps:
-                    who = stopper.agreed(comm)  # collective: every rank reaches this at the end of every step
+                    # The step agreed on the signals in its world reduction; one that issued none (local
+                    # steps between synchronisations, the same on every rank) agrees here.
+                    who = out.stops if out.stops is not None else stopper.agreed(comm)  # collective then
                     if who:
                         _stop(ctx, ckpt, step, who)
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds

@@ -200,14 +200,15 @@ class TrainState(TrainStateView):
                            last_step=int(cfg.train.steps), fault=step_faults(self._ctx.rank, self._ctx.run_dir))
 
     def train_step(self, batches: Iterator[Any], *, step: int, need_norm: bool = False,
-                   probe: Callable[[list[Any]], None] | None = None) -> StepResult:
+                   probe: Callable[[list[Any]], None] | None = None,
+                   pending_signal: Callable[[], int] | None = None) -> StepResult:
         """Optimizer step ``step`` (:func:`~subnetdp.train.step.train_step`); the state is then at ``step``.
 
         Collective: the synchroniser's owner groups, the guard and (when due) local steps'
         synchronisation and backward masking's refresh, in the step's fixed order.
         """
         out = train_step(self.step_context(), batches, step=step, need_norm=need_norm, probe=probe,
-                         progress=self._progress)
+                         progress=self._progress, pending_signal=pending_signal)
         self._step = step
         return out
 

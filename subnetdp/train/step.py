@@ -27,6 +27,9 @@ class StepResult:
     loss: torch.Tensor  # this rank's loss of the step (micro-batches summed, each / accum), detached
     grad_norm: float | None  # the averaged gradient's global norm, when it was needed
     updated: bool  # False when the guard skipped a non-finite step
+    #: rank -> pending stop signal, agreed in the step's world reduction (empty: go on); None when the
+    #: step issued none (local steps between synchronisations): the loop then agrees on its own.
+    stops: dict[int, int] | None = None
 
 
 @dataclass
@@ -52,7 +55,8 @@ class StepContext:
         adapter: its model adapter (``training_loss``).
         sync: the synchroniser (:class:`~subnetdp.sdp.sync.GradSynchronizer`).
         optimizer: the rank's optimizer.
-        guard: ``carry(sync, loss)``, ``check(step, sync, loss, need_norm) -> (finite, norm)`` and
+        guard: ``carry(sync, loss, signum)``, ``check(step, sync, loss, need_norm, signum) ->
+            Checked(finite, norm, stops)`` and
             ``clip(sync, norm, max_norm)``: :class:`~subnetdp.sdp.sync.NonFiniteGuard`, or a dry run's.
         scheduler: the learning-rate schedule, stepped after every step (None: none).
         refresher: backward masking's broadcaster of owners' values, or None.
@@ -81,7 +85,8 @@ class StepContext:
 
 
 def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm: bool = False,
-               probe: Callable[[list[Any]], None] | None = None, progress: StepProgress | None = None) -> StepResult:
+               probe: Callable[[list[Any]], None] | None = None, progress: StepProgress | None = None,
+               pending_signal: Callable[[], int] | None = None) -> StepResult:
     """One optimizer step of this rank: forward and backward of ``ctx.accum`` micro-batches, averaging, update.
 
     Call ``ctx.sync.prepare()`` first (it drops the last step's gradients, so a memory baseline taken
@@ -95,8 +100,11 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
         probe: called with the step's micro-batches after averaging and before the update (the
             gradient-alignment probe, ``train.grad_alignment_every``), or None.
         progress: updated as the step passes its update (recovery reads it when a collective fails).
+        pending_signal: this rank's pending stop signal (0: none), read when the guard's flags leave;
+            the step's world reduction carries it, and :attr:`StepResult.stops` says who holds one.
     """
     sync, guard, accum = ctx.sync, ctx.guard, ctx.accum
+    signal = pending_signal if pending_signal is not None else (lambda: 0)
     progress = progress if progress is not None else StepProgress()
     progress.step, progress.updated, progress.settled = step, False, False
     loss_sum = torch.zeros((), device=ctx.device)
@@ -111,16 +119,17 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
                 loss = ctx.adapter.training_loss(ctx.model, batch) / accum
             loss_sum += loss.detach()
             if last:
-                guard.carry(sync, loss_sum)  # the loss's inf/NaN flag travels with the gradients
+                guard.carry(sync, loss_sum, signal())  # the loss's inf/NaN flag and a stop travel with the gradients
             loss.backward()
     if ctx.fault is not None:
         ctx.fault("sync", step)
     sync.finish()  # collective: owner groups average this step's gradients
     if probe is not None:
         probe(seen)  # collective: every rank reaches the probe on the same steps
-    # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite),
-    # in the gradient-norm all-reduce when clipping or logging needs the norm.
-    finite, norm = guard.check(step, sync, loss_sum, need_norm=ctx.clip > 0 or need_norm)
+    # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite) or
+    # holds a stop signal, in the gradient-norm all-reduce when clipping or logging needs the norm.
+    checked = guard.check(step, sync, loss_sum, need_norm=ctx.clip > 0 or need_norm, signum=signal())
+    finite, norm = checked.finite, checked.norm
     if finite:
         guard.clip(sync, norm, ctx.clip)
         ctx.optimizer.step()
@@ -136,4 +145,4 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
         comm = ctx.refresher.comm
         with comm.bytes.phase("refresh"):
             ctx.refresher.refresh()  # collective: owners' new values reach every rank
-    return StepResult(loss_sum, norm, finite)
+    return StepResult(loss_sum, norm, finite, checked.stops)

@@ -1,10 +1,15 @@
 """Stopping on SIGINT and SIGTERM at a step boundary, with a checkpoint, on every rank at once.
 
 Ctrl-C (SIGINT) and SIGTERM (what SLURM and Kubernetes send before they kill a job) do not stop a
-rank where it stands: the handler only records the signal, and at the end of the step every rank
-learns, in one tiny all-reduce, whether any rank received one. All ranks then write a checkpoint of
-that step together and leave with :class:`Interrupted` (exit code 128 + the signal's number, one
-line on the console, no traceback). A second signal aborts at once, without a checkpoint.
+rank where it stands: the handler only records the signal (:meth:`StopRequest.pending`), and every
+rank learns in the step whether any rank received one: the signal numbers ride in the step's world
+reduction beside the inf/NaN flags (:class:`~subnetdp.sdp.sync.NonFiniteGuard`; in the world's
+gradient bucket at C = 1), so agreeing costs no collective of its own. A signal that arrives after
+this rank's flags left is agreed at the next step. Only a step that issues no world reduction
+(local steps between synchronisations) agrees in :meth:`StopRequest.agreed`, one tiny all-reduce.
+All ranks then write a checkpoint of that step together and leave with :class:`Interrupted` (exit
+code 128 + the signal's number, one line on the console, no traceback). A second signal aborts at
+once, without a checkpoint.
 
 A signal that arrives before the loop starts (set-up, rendezvous, resuming) leaves at once too:
 there is nothing to save yet.
@@ -99,11 +104,16 @@ class StopRequest:
         self._say(f"{name} received: stopping after this step, with a checkpoint "
                   "(press Ctrl-C again to abort at once)")
 
+    def pending(self) -> int:
+        """This rank's signal not yet acted on (0: none): what the step's world reduction carries."""
+        return self.signum
+
     def agreed(self, comm: Any) -> dict[int, int]:
         """Which ranks received a signal (rank -> signal number); empty to go on. Collective.
 
         One all-reduce of ``world_size`` numbers: every rank gets the same answer, so all stop
-        after the same step.
+        after the same step. Only for a step whose world reduction did not carry the signals
+        (:attr:`~subnetdp.train.step.StepResult.stops` is None).
         """
         world = comm.world_size
         if world == 1:
@@ -111,7 +121,7 @@ class StopRequest:
         flags = torch.zeros(world, dtype=torch.float32, device=comm.device)
         flags[comm.rank] = float(self.signum)
         with comm.bytes.phase("stop"):  # a control message, not a training step's traffic
-            # collective: every rank reaches this at the end of every step.
+            # collective: every rank reaches this at the end of a step that carried no signals (local steps).
             comm.all_reduce(flags, comm.world).wait()
         return {r: int(f) for r, f in enumerate(flags.tolist()) if f}
 
