@@ -102,8 +102,10 @@ def trial(layout: str, kill: int, survivors: bool, steps: int, every: int, tmp: 
     name = f"{layout}-k{kill}-{'rec' if survivors else 'plain'}"
     args = _common(steps, every) + [f"run.dir={tmp}", f"run.name={name}", f"checkpoint.survivors={str(survivors).lower()}"]
     code, out, err = _launch(layout, args, {ck.KILL_IN_SYNC: str(kill)})
-    if code != 0:
-        print(f"{name}: exit {code}\n{err}", file=sys.stderr, flush=True)
+    if code != 0:  # keep what it said: the temporary run directory goes at the end
+        kept = results_dir() / f"recovery-{name}.log"
+        kept.write_text(f"exit {code}\n--- stdout\n{out}\n--- stderr (end)\n{err}")
+        print(f"{name}: exit {code}; its output is in {kept}", file=sys.stderr, flush=True)
     run = tmp / name
     marker = ck.fault_marker(run, ck.KILL_IN_SYNC, kill, 1)
     resumed = [int(m) for m in re.findall(r"resumed from \S+ \(step (\d+)\)", out)]
