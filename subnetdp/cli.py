@@ -63,9 +63,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
         _name_run(cfg, 1)
         runlock.check_free(upfront.run_dir_of(cfg))  # a busy run directory is this line, not the one below
         upfront.check_new_run(cfg)
+    from subnetdp.train.failures import FailureLog
     from subnetdp.train.loop import train
 
-    train(cfg, env, pm)
+    failures = FailureLog()
+    try:
+        train(cfg, env, pm, failures)
+    except Exception as e:
+        if failures.failure is None:  # before the run directory was this job's: as it is
+            raise
+        # One line; the traceback is in the run directory's log, which the line names.
+        if isinstance(e, PeerLost):
+            raise PeerLost(failures.failure.line, e.lost) from e
+        raise SubnetdpError(failures.failure.line) from e
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from subnetdp.core.errors import SubnetdpError
+from subnetdp.launchers.failures import describe_failures
 
 SHUTDOWN_TIMEOUT_S = 120  # after a signal: time for the workers to finish the step and checkpoint it
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -169,10 +170,12 @@ def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[PARENT_ENV] = str(os.getpid())  # a worker whose launcher is already gone exits at once
-    # The workers say what a signal did; the elastic agent's own warnings about it would repeat it.
+    # The workers say what a signal did; the elastic agent's own warnings about it would repeat it,
+    # and so would its error line about each failed worker (the line below names them).
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with StopWatch(stop_timeout_s, nproc) as watch:
         try:
             elastic_launch(config, entrypoint=sys.executable)("-m", "subnetdp", *argv)
@@ -181,6 +184,5 @@ def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0,
                 _say(watch.verdict())
             return 128 + int(e.sigval)
         except ChildFailedError as e:
-            failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))
-            raise SubnetdpError(f"a worker failed ({failures}); its error is printed above") from None
+            raise SubnetdpError(describe_failures(e.failures)) from None
     return 0

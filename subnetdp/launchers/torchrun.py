@@ -4,8 +4,9 @@ torchrun turns SIGINT/SIGTERM into a ``SignalException``: it passes the signal t
 finish their step, write a checkpoint and exit) and then raises it, so the user's terminal ends in a
 traceback. This entry point runs the same ``torch.distributed.run.main`` and ends that case with one
 line and the exit status ``128 + signal``, as ``subnetdp train launch.nproc=N`` does; a worker group
-that failed with no restart left, or a rendezvous that failed, ends with one line and status 1 (the
-worker's own error is printed above it). Everything else, arguments included, is torchrun's.
+that failed with no restart left, or a rendezvous that failed, ends with one line and status 1 (each
+worker printed its own line above it; the line names the run directory's logs that hold their full
+errors, :mod:`subnetdp.launchers.failures`). Everything else, arguments included, is torchrun's.
 
 Each round of the rendezvous gets a fresh store for its workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 unless set): with the store shared by the agents (torch's default), a node that joins a running
@@ -20,6 +21,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+
+from subnetdp.launchers.failures import describe_failures
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -48,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
               "(the run's newest checkpoint holds that step)", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(e.failures.items()))
-        print(f"torchrun: a worker failed ({failures}) and no restart is left (--max-restarts); its error is "
-              "printed above", file=sys.stderr, flush=True)
+        print(f"torchrun: no restart is left (--max-restarts): {describe_failures(e.failures)}", file=sys.stderr,
+              flush=True)
         return 1
     except (RendezvousError, DistError) as e:
         print(f"torchrun: the rendezvous failed ({type(e).__name__}: {_first_line(e)}): the agent that hosts "

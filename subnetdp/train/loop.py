@@ -19,6 +19,7 @@ from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
 from subnetdp.train.checkpoints.resume import Checkpointer
 from subnetdp.train.checkpoints.source import seed_host_rngs
+from subnetdp.train.failures import FailureLog
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.report import reporting, summarise
@@ -35,15 +36,23 @@ class TrainedRun(NamedTuple):
     result: RunResult
 
 
-def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | None = None) -> TrainedRun:
-    """Run one training job on this rank (the worker's entry point)."""
+def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | None = None,
+          failures: FailureLog | None = None) -> TrainedRun:
+    """Run one training job on this rank (the worker's entry point).
+
+    ``failures``: where an error that ends the run is logged once the run directory is this job's
+    (:mod:`subnetdp.train.failures`); the error itself is raised unchanged.
+    """
     from subnetdp.launchers import detect
 
     env = env or detect()
     pm = pm or PluginManager()
+    failures = failures if failures is not None else FailureLog()
     set_threads(cfg, env)
-    with StopRequest(env.rank) as stopper:  # SIGINT/SIGTERM: stop at a step boundary, with a checkpoint
-        ctx, state = setup(cfg, env, pm)
+    # SIGINT/SIGTERM: stop at a step boundary, with a checkpoint; an error: its log in the run directory.
+    with StopRequest(env.rank) as stopper, failures:
+        ctx, state = setup(cfg, env, pm, on_context=failures.claim)
+        failures.follow(state)
         try:
             result = train_loop(ctx, state, stopper)
         finally:
@@ -113,9 +122,11 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                                step=state.step)
             hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
         except PeerLost as lost:
+            if stopper is not None:
+                stopper.leaving()  # the agent's SIGTERM that follows a death asks for nothing more
             # A peer died or stopped answering: keep this rank's units as of its last finished step
             # (no collective), so a restart resumes there rather than at the newest checkpoint.
-            raise ckpt.survive(lost) from None
+            raise ckpt.survive(lost) from lost
     return result
 
 

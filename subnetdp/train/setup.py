@@ -13,7 +13,7 @@ import copy
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -90,11 +90,13 @@ def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool
     return plan
 
 
-def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> tuple[RunContext, TrainState]:
+def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
+          on_context: Callable[[RunContext], None] | None = None) -> tuple[RunContext, TrainState]:
     """Build everything a rank needs: the frozen run context and the training state.
 
     Bad input fails before the process group exists. ``cfg`` gets the run name rank 0 chose when it
-    had none (``run.name``); the context holds a read-only copy of it.
+    had none (``run.name``); the context holds a read-only copy of it. ``on_context`` is called with
+    the context as soon as it exists (the run directory is then this job's), before the state is built.
     """
     comm: Communicator = pm.registries["comm"].create(cfg.comm.name, cfg.comm, env)
     comm.check_environment()
@@ -118,6 +120,8 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager) -> tuple[RunContex
     OmegaConf.set_readonly(frozen, True)
     ctx = RunContext(cfg=frozen, env=env, comm=comm, plugins=pm, adapter=adapter, data=data, spec=spec,
                      run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match)
+    if on_context is not None:
+        on_context(ctx)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
     # mesh (when sharded) and the synchroniser's owner groups are created on every rank.
     return ctx, TrainState.build(ctx, partition, plan, full)

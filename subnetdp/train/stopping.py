@@ -72,6 +72,7 @@ class StopRequest:
         self.rank = rank
         self.signum = 0
         self.armed = False  # set by the loop: from then on a first signal waits for the step boundary
+        self._leaving = False
         self._exit_now = exit_now
         self._saved: dict[int, Any] = {}
 
@@ -101,8 +102,15 @@ class StopRequest:
             self._exit_now(128 + signum)
             return
         self.signum = signum
-        self._say(f"{name} received: stopping after this step, with a checkpoint "
-                  "(press Ctrl-C again to abort at once)")
+        if not self._leaving:
+            self._say(f"{name} received: stopping after this step, with a checkpoint "
+                      "(press Ctrl-C again to abort at once)")
+
+    def leaving(self) -> None:
+        """This rank leaves on an error (a lost peer) once its files are written: a first signal (the
+        agent's SIGTERM after a worker's death) is recorded without announcing a stop that will not
+        come; a second one still aborts at once."""
+        self._leaving = True
 
     def pending(self) -> int:
         """This rank's signal not yet acted on (0: none): what the step's world reduction carries."""

@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, init_method: str) -> dict:
 def test_stalled_peer_is_named_and_owner_groups_time_out_after_comm_timeout_s(tmp_path):
     result = run_ranks(_worker, 3, tmp_path, timeout=120)[0]
     assert "error" in result, "rank 0's all-reduce over (0, 1) did not time out"
-    assert result["error"].startswith("rank(s) 1 stopped answering: rank 0 timed out after comm.timeout_s=2 s "
+    assert result["error"].startswith("rank 1 stopped answering: rank 0 timed out after comm.timeout_s=2 s "
                                       "waiting in all_reduce over ranks (0, 1)"), result["error"]
     # 2 s of timeout plus the grace for the other members to report: far below torch's 30-minute default.
     assert result["seconds"] < 10, result

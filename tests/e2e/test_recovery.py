@@ -11,7 +11,10 @@ the survivors resume from step 3 as after a death. Nothing finished is trained a
 checkpoint holds exactly the reference's values and optimizer state of that step, and the run ends
 with the reference's parameters and optimizer state. A plan whose units have one owner, and two
 co-owners killed at once, fall back to the newest complete checkpoint and name what was lost. No
-path leaves a process or prints a traceback.
+path leaves a process or prints a traceback. Under the plain launcher with no restart left, the
+console reads one line per survivor (the dead rank, the step, what it kept, the command that
+continues, its log) and one from the launcher naming the logs, each of which holds the survivor's
+traceback.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
     run = tmp_path / "killed"
     assert ck.fault_marker(run, where, 4, 1).exists()  # the kill really happened
     # Every survivor names the dead rank, and only it (a survivor that already left is not taken for dead).
-    assert set(re.findall(r"rank\(s\) ([\d, ]+) gone", proc.stderr)) == {"1"}, proc.stderr[-3000:]
+    assert set(re.findall(r"(ranks? [\d, ]*\d) (?:died|is gone|are gone)", proc.stderr)) == {"rank 1"}, proc.stderr[-3000:]
     if recovered is None:  # killed after step 4's checkpoint: nothing newer to recover, the checkpoint serves
         assert "recovered step" not in proc.stdout
         recovered = 4
@@ -91,6 +94,7 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
         assert manifest["absent_ranks"] == [1] and manifest["recovered_from"] == [0, 2, 3]
     step = ck.step_dir(run, recovered)
     assert f"resumed from {step} (step {recovered})" in proc.stdout
+    assert "the launcher restarts the workers (restart 1 of 1), which continue from there" in proc.stderr
     # Every piece (value and optimizer state) as the surviving owners held it at that step.
     _assert_pieces_equal(step, ck.step_dir(reference, recovered))
     # ...and the run goes on to the reference's end: parameters and optimizer state bit for bit.
@@ -110,7 +114,7 @@ def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, 
                      "comm.timeout_s=30", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"})
     run = tmp_path / "stalled"
     assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()
-    assert "rank(s) 1 stopped answering" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1 stopped answering" in proc.stderr, proc.stderr[-3000:]
     assert "recovered step 3 from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
     _assert_pieces_equal(ck.step_dir(run, 3), ck.step_dir(reference, 3))
     _assert_pieces_equal(ck.step_dir(run, 6), ck.step_dir(reference, 6))
@@ -133,3 +137,36 @@ def test_a_unit_with_no_surviving_owner_falls_back_to_the_newest_checkpoint(tmp_
     assert "the survivors' files cannot make a whole step: step 3 (from ranks [0]) lacks layer" in proc.stdout
     assert "(no surviving owner); resuming from the newest complete checkpoint" in proc.stdout
     assert f"resumed from {ck.step_dir(tmp_path / 'single', 2)} (step 2)" in proc.stdout
+
+
+def test_a_killed_worker_reads_as_one_line_per_rank_with_the_traceback_in_the_run_directory(tmp_path):
+    # The plain launcher, no restart: everything on the console is subnetdp's own.
+    run = tmp_path / "lines"
+    cmd = [sys.executable, "-m", "subnetdp", *COMMON, "launch.nproc=4", "masker.min_owners=2", f"run.dir={tmp_path}",
+           "run.name=lines"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", ck.KILL_IN_SYNC: "4"})
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _assert_no_process_left(run)
+    console = proc.stdout + proc.stderr
+    assert "Traceback" not in console and "GLHF" not in console and "printed above" not in console, console
+    lines = proc.stderr.splitlines()
+    for r in (0, 2, 3):  # each survivor: one line naming the dead rank, the step, what to do and its log
+        mine = [line for line in lines if f"rank {r} " in line]
+        assert len(mine) == 1, lines
+        assert mine[0].startswith(f"subnetdp: error: rank {r} stopped in step 4: rank 1 died (the connection closed "
+                                  "during all_reduce over ranks"), mine[0]
+        assert f"it kept its units as of step 3 in {survivors.fragment_dir(run, 3, r)}" in mine[0]
+        assert "continue with: subnetdp train resnet18_digits " in mine[0] and "resume=auto" in mine[0]
+        log = run / "logs" / f"rank_{r}.log"
+        assert mine[0].endswith(f"; the full error: {log}"), mine[0]
+        text = log.read_text()  # the traceback, with gloo's own words for the lost connection
+        said = mine[0][len("subnetdp: error: "):].rsplit("; the full error: ", 1)[0]
+        assert f"\n{said}\n" in text and "Traceback (most recent call last)" in text, text
+        assert "GLHF" in text and "PeerLost: rank 1 died" in text, text
+    assert not (run / "logs" / "rank_1.log").exists()  # a SIGKILL leaves no word of its own
+    # The launcher: who failed and how, and where their errors are; nothing else (no SIGTERM notice).
+    assert lines[-1] == (f"subnetdp: error: a worker failed (rank 0: exit code 2; rank 1: killed by SIGKILL; rank 2: "
+                         f"exit code 2; rank 3: exit code 2); the full errors are in {run / 'logs'} (rank_0.log, "
+                         "rank_2.log, rank_3.log)"), lines
+    assert len([line for line in lines if not line.startswith("subnetdp: warning: ")]) == 4, lines

@@ -53,3 +53,28 @@ def test_python_and_numpy_states_in_checkpoints_derive_from_seed(tmp_path):
         assert a[key].equal(b[key]), key
         assert not a[key].equal(c[key]), key
     assert a["numpy_pos"] == b["numpy_pos"] and a["python_gauss"] == b["python_gauss"]
+
+
+def test_an_error_that_ends_a_worker_is_one_line_and_its_traceback_is_kept_in_the_run_directory(
+        tmp_path, capsys, monkeypatch):
+    import torch
+
+    from subnetdp import cli
+
+    real, calls = torch.optim.SGD.step, []
+
+    def failing(self, *args, **kwargs):  # a library error in the middle of step 2
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the kernel failed\nits second line")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", failing)
+    assert cli.main([*CLI[3:], f"run.dir={tmp_path}", "run.name=broken"]) == 2
+    out, err = capsys.readouterr()
+    log = tmp_path / "broken" / "logs" / "rank_0.log"
+    assert err == f"subnetdp: error: rank 0 stopped in step 2: RuntimeError: the kernel failed; the full error: {log}\n"
+    assert "Traceback" not in out + err
+    text = log.read_text()
+    assert "rank 0 stopped in step 2: RuntimeError: the kernel failed\n" in text
+    assert "Traceback (most recent call last)" in text and "in failing" in text and "its second line" in text

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
-from subnetdp.plugins.comm._rendezvous import rendezvous
+from subnetdp.core.contracts import Communicator, Handle
+from subnetdp.core.errors import PeerLost, SubnetdpError
+from subnetdp.launchers import rendezvous
 
 
 class WorkHandle(Handle):
@@ -50,6 +51,8 @@ def _is_peer_gone(error: BaseException) -> bool:
 
 
 HOST_KEY = "subnetdp/process"  # + /<rank>: "host pid" of every rank, written when the group is made
+#: + /<rank>: written by a rank that met a lost peer, before it leaves: its own exit is no death to name
+LEFT_KEY = "subnetdp/left"
 
 
 def _process_alive(pid: int) -> bool:
@@ -65,10 +68,21 @@ def _process_alive(pid: int) -> bool:
             return False
 
 
-def dead_on_this_host(store: Any, members: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(members known dead, members on other hosts) from the processes every rank registered."""
-    me, dead, elsewhere = os.uname().nodename, [], []
+def dead_on_this_host(store: Any, members: Sequence[int], wait_s: float = 0.0) -> tuple[list[int], list[int]]:
+    """(members known dead, members on other hosts) from the processes every rank registered.
+
+    A member that left after meeting the loss itself (``LEFT_KEY``) is neither: a survivor that was
+    quicker to write its files and exit must not be named beside the rank that died. A dying process
+    closes its connections before the kernel marks it dead, so the members of this host are looked
+    at again for up to ``wait_s`` seconds while none of them is dead yet.
+    """
+    me, local, elsewhere = os.uname().nodename, {}, []
     for r in members:
+        try:
+            if store.check([f"{LEFT_KEY}/{r}"]):
+                continue
+        except Exception:
+            pass
         try:
             host, pid = store.get(f"{HOST_KEY}/{r}").decode().split()
         except Exception:  # not registered (an older peer) or the store is gone: unknown
@@ -76,28 +90,19 @@ def dead_on_this_host(store: Any, members: Sequence[int]) -> tuple[list[int], li
             continue
         if host != me:
             elsewhere.append(r)
-        elif not _process_alive(int(pid)):
-            dead.append(r)
-    return dead, elsewhere
-
-
-def lost_on_this_host(store: Any, rank: int, members: Sequence[int], key: str,
-                      grace: float) -> tuple[list[int], list[int]]:
-    """(members of this host that died, members on other hosts) after a connection closed.
-
-    This rank checks in at ``key/<rank>`` first: a survivor that saw the failure, kept its units and
-    left before another survivor looks is not taken for the dead one. A dead process's sockets close
-    while it is still exiting, so a survivor may look before the process is gone: it looks again
-    until one is, for at most ``grace`` seconds (2 at most: a peer elsewhere is asked afterwards).
-    """
-    store.set(f"{key}/{rank}", "saw it")
-    deadline = time.monotonic() + min(grace, 2.0)
+        else:
+            local[r] = int(pid)
+    deadline = time.monotonic() + wait_s
     while True:
-        dead, elsewhere = dead_on_this_host(store, members)
-        dead = [r for r in dead if r != rank and not store.check([f"{key}/{r}"])]
+        dead = [r for r, pid in local.items() if not _process_alive(pid)]
         if dead or time.monotonic() >= deadline:
             return dead, elsewhere
-        time.sleep(0.05)
+        time.sleep(0.02)
+
+
+def ranks_named(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 1, 3``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float,
@@ -203,27 +208,34 @@ class TorchDistCommunicator(Communicator):
                 raise
             members = tuple(range(self.world_size)) if group is None else tuple(group)
             self._stalls += 1
+            dead: list[int] = []
             try:
                 store = dist.distributed_c10d._get_default_store()
+                store.set(f"{LEFT_KEY}/{self.rank}", "peer lost")  # before anyone can see this rank exit
                 grace = max(2.0, min(10.0, float(self.cfg.timeout_s) / 10))
-                key = f"subnetdp/stall/{self._stalls}"
                 if timeout:
-                    silent = stalled_peers(store, self.rank, members, key, grace)
+                    silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
                 else:  # a connection closed: a process of this host is looked at, one elsewhere asked
-                    dead, elsewhere = lost_on_this_host(store, self.rank, members, key, grace)
-                    silent = sorted(dead + stalled_peers(store, self.rank, members, key, grace,
-                                                         [r for r in elsewhere if r != self.rank]))
+                    dead, elsewhere = dead_on_this_host(store, members, wait_s=min(grace, 2.0))
+                    silent = sorted(dead + stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}",
+                                                         grace, [r for r in elsewhere if r != self.rank]))
             except Exception:  # the store went with the job (it lived in a dead rank): say what is known
                 silent = []
-            names = f"rank(s) {', '.join(map(str, silent))}" if silent else None
+            names = ranks_named(silent) if silent else None
+            # The library's own text (gloo's ends in "GLHF!") stays in the chain, for the rank's log.
             if not timeout:
-                raise PeerLost(f"{names or 'a peer'} gone: rank {self.rank}'s {what} over ranks {members} lost its "
-                               f"connection ({str(e).strip().splitlines()[0][:160]})", silent) from None
+                if not silent:
+                    who = "a peer is gone"
+                elif set(silent) <= set(dead):
+                    who = f"{names} died"
+                else:
+                    who = f"{names} {'is' if len(silent) == 1 else 'are'} gone"
+                raise PeerLost(f"{who} (the connection closed during {what} over ranks {members})", silent) from e
             who = f"{names} stopped answering" if names else "a peer stopped answering (every other member timed out too)"
             raise PeerLost(f"{who}: rank {self.rank} timed out after comm.timeout_s={float(self.cfg.timeout_s):g} s "
                            f"waiting in {what} over ranks {members} — look at the log of "
                            f"{names or 'the slowest rank'} (a crash, a hang, or a much slower step), or raise "
-                           "comm.timeout_s", silent) from None
+                           "comm.timeout_s", silent) from e
 
     def _pg(self, group: Sequence[int] | None) -> Any:
         key = self.world if group is None else tuple(group)

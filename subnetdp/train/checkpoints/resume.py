@@ -238,7 +238,8 @@ class Checkpointer:
 
     def survive(self, error: PeerLost) -> PeerLost:
         """A peer is gone: write this rank's units as of the last step it finished, without any
-        collective, and return the one line to leave with (what was lost, what was kept)."""
+        collective, and return the error to leave with (what was lost, what was kept); the console
+        line adds the rank, the step and what to do (:mod:`subnetdp.train.failures`)."""
         reason = self.recoverable()
         progress, boundary = self.state.progress, self._boundary
         if reason is None and progress.updated and not progress.settled:
@@ -246,8 +247,8 @@ class Checkpointer:
         if reason is None and not progress.updated and boundary is None:
             reason = "no step had finished yet"
         if reason is not None:
-            return PeerLost(f"{error}; rank {self.rank} kept no units ({reason}): a restart resumes from the newest "
-                            "checkpoint", error.lost)
+            return PeerLost(f"{error}; it kept no units ({reason}), so the run resumes from its newest checkpoint",
+                            error.lost)
         if progress.updated:  # the step in progress is finished here: the state as it stands is its end
             step = progress.step
             position = boundary[1:3] if boundary is not None and boundary[0] == step else None
@@ -257,9 +258,9 @@ class Checkpointer:
         try:
             path = self._write_fragment(step, position, snapshot)
         except (OSError, SubnetdpError) as e:
-            return PeerLost(f"{error}; rank {self.rank} could not keep its units ({e})", error.lost)
-        return PeerLost(f"{error}; rank {self.rank} kept its units as of step {step} in {path} (a restart with "
-                        "resume=auto continues from there)", error.lost)
+            return PeerLost(f"{error}; it could not keep its units ({e}), so the run resumes from its newest "
+                            "checkpoint", error.lost)
+        return PeerLost(f"{error}; it kept its units as of step {step} in {path}", error.lost)
 
     @torch.no_grad()
     def _write_fragment(self, step: int, position: tuple[Any, Any] | None,
