@@ -16,9 +16,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from subnetdp.core.contracts import Communicator, Handle
-from subnetdp.core.errors import PeerLost, SubnetdpError
-from subnetdp.launchers import rendezvous
+from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
+from subnetdp.plugins.comm._rendezvous import rendezvous
 
 
 class WorkHandle(Handle):
