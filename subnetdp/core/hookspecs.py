@@ -133,7 +133,8 @@ def subnetdp_on_eval_end(context: "RunContext", state: "TrainStateView", step: i
     :param metrics: the adapter's eval metrics (``accuracy``, ``loss`` ...), the same on every rank
         (every rank evaluates the same batches), and lm-eval task scores (``eval.tasks``) on rank 0 only.
     :param union: how the union model was evaluated (``summary.json``'s ``eval_union``: ``block_union``,
-        ``rescaled``, ``branch_keep_rates``; with ``eval.breakdown`` at the last step also the union at
+        ``rescaled``, ``branch_keep_rates``, ``not_rescaled`` (blocks the adapter names no output layer for:
+        evaluated at x1); with ``eval.breakdown`` at the last step also the union at
         x1 and rescaled and every rank's own subnetwork).
     :param tasks: the lm-eval scores among ``metrics`` (``<task>/<metric>``; empty without ``eval.tasks``
         and on ranks other than 0).

@@ -230,8 +230,9 @@ def load_union(path: str | Path, pm: PluginManager | None = None, data: Sequence
     if unset:
         raise CheckpointError(f"{ckpt}: holds no value for {unset[:3]} of the union model: the checkpoint is incomplete")
     # eval.block_union=rescaled: the union the run evaluated, with each branch x its keep rate.
-    scales = union_branch_scales(cfg, partition, plan)
-    fold_branch_scales(adapter.branch_output_layers(model), scales)
+    layers = adapter.branch_output_layers(model)
+    scales = {n: s for n, s in union_branch_scales(cfg, partition, plan).items() if layers.get(n)}
+    fold_branch_scales(layers, scales)
     return LoadedUnion(model, cfg, adapter, spec, manifest, ckpt, scales)
 
 

@@ -99,6 +99,23 @@ def union_branch_scales(cfg: Any, partition: Partition, plan: MaskPlan) -> dict[
     return branch_keep_rates(partition, plan)
 
 
+def scalable_branches(adapter: ModelAdapter, spec: DataSpec,
+                      scales: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
+    """(the scales the adapter can fold in, the blocks it cannot: it names no output layer for them).
+
+    An adapter without :meth:`~subnetdp.ModelAdapter.branch_output_layers` (the default returns none)
+    evaluates its union at x1 whatever ``eval.block_union`` says; the run's summary must say so
+    rather than report a rescaled union.
+    """
+    if not scales:
+        return {}, []
+    from subnetdp.sdp.construct import meta_model
+
+    layers = adapter.branch_output_layers(meta_model(adapter, spec))
+    return ({n: float(s) for n, s in scales.items() if layers.get(n)},
+            sorted(n for n in scales if not layers.get(n)))
+
+
 @torch.no_grad()
 def recalibrate_batchnorm(model: nn.Module, batches: Any, n: int, inputs: Any) -> int:
     """Recompute BatchNorm running statistics as a plain average over ``n`` training batches.

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from subnetdp.core.contracts import DataModule, RunContext
 from subnetdp.core.errors import ConfigError
 from subnetdp.sdp.branches import fold_branch_scales
-from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate, evaluate_union
+from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate, evaluate_union, scalable_branches
 from subnetdp.sdp.variants import is_backward
 
 if TYPE_CHECKING:
@@ -57,7 +57,10 @@ def evaluate_run(ctx: RunContext, state: "TrainState", step: int) -> Evaluation:
     breakdown = bool(cfg.eval.breakdown) and block_forward and step == int(cfg.train.steps) and not state.parallel.sharded
     rates = branch_keep_rates(partition, plan) if block_forward else {}
     mode = str(cfg.eval.block_union)
-    how: dict[str, Any] = {"block_union": mode, "rescaled": bool(rates) and mode == "rescaled", "branch_keep_rates": rates}
+    # Only the branches the adapter can scale are scaled; the others are named in the summary.
+    applied, unscaled = scalable_branches(ctx.adapter, ctx.spec, rates) if mode == "rescaled" else ({}, [])
+    how: dict[str, Any] = {"block_union": mode, "rescaled": bool(applied), "branch_keep_rates": rates,
+                           **({"not_rescaled": unscaled} if unscaled else {})}
 
     def union_metrics(scales: dict[str, float]) -> dict[str, float]:
         # collective: every rank streams the union's units from their owners, batch by batch.
@@ -68,11 +71,11 @@ def evaluate_run(ctx: RunContext, state: "TrainState", step: int) -> Evaluation:
     with state.parallel.gathered(state.model), ctx.comm.bytes.phase("eval"):
         own = _own_subnetworks(ctx, state) if breakdown else None  # collective: every rank evaluates its own
         if breakdown:
-            x1, rescaled = union_metrics({}), union_metrics(rates)
+            x1, rescaled = union_metrics({}), union_metrics(applied)
             metrics = dict(rescaled if mode == "rescaled" else x1)
             how.update({"step": step, "union_x1": x1, "union_rescaled": rescaled, "own_subnetworks": own})
         else:
-            metrics = union_metrics(rates if how["rescaled"] else {})
+            metrics = union_metrics(applied)
         union = None
         if ctx.tasks is not None:  # collective: lm-eval needs the whole union in one process
             union = assemble_union(ctx.adapter, ctx.spec, int(cfg.seed), partition, plan, state.model, state.pmap, ctx.comm)

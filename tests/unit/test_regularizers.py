@@ -157,3 +157,21 @@ def test_batchnorm_recalibration_gathers_the_statistics_of_the_evaluated_network
     torch.manual_seed(1)
     x = CASES["resnet"][2]()
     assert not torch.equal(on(x), plain.train()(x))
+
+
+def test_only_branches_with_output_layers_are_rescaled_and_the_rest_are_named():
+    from subnetdp.sdp.union import scalable_branches
+
+    cfg = small_config(recipe="resnet18_digits")
+    adapter = plugin_manager().registries["model"].create(cfg.model.name, cfg.model)
+    spec = CASES["resnet"][1]
+    scales = {"layer1.0": 0.5, "layer4.1": 0.5}
+    assert scalable_branches(adapter, spec, scales) == (scales, [])
+
+    class NoOutputLayers(type(adapter)):  # the base class's default: no branch can be scaled
+        def branch_output_layers(self, model):
+            return {}
+
+    blind = NoOutputLayers(cfg.model)
+    assert scalable_branches(blind, spec, scales) == ({}, ["layer1.0", "layer4.1"])
+    assert scalable_branches(blind, spec, {}) == ({}, [])
