@@ -110,7 +110,7 @@ class EvalConfig:
                                      fix="0 asks for none; leave it empty for each task's own")
     task_batch_size: int = doc('batch size of the lm-eval requests', 16, lo=1)
     offline: bool = doc('never download task data: the datasets cache and local files only', False)
-    block_union: str = doc('block-level forward masking: the union evaluated with each residual branch x its training keep rate k(u)/W (rescaled) or as it is (x1); docs/evidence.md', "rescaled",
+    block_union: str = doc('block-level forward masking: the union evaluated with each residual branch x its training keep rate k(u)/W (rescaled) or as it is (x1), and a re-plan that raises a rate scales the branch by old/new rate or not; docs/evidence.md', "rescaled",
                            choices=("rescaled", "x1"))
     breakdown: bool = doc("at the last step also evaluate the union at x1 and rescaled and every rank's own subnetwork (summary.json eval_union)", False)
 

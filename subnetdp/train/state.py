@@ -30,6 +30,7 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.parallel.apply import RankParallelism
 from subnetdp.parallel.memory import training_state_tensors
 from subnetdp.sdp.construct import build_local, empty_local, poisoned
+from subnetdp.sdp.keep_rates import describe, forward_keep_rates, rescale_branches, rising_rates
 from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.sdp.resample import Resampler, receive_from_owners
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
@@ -49,7 +50,14 @@ class Holding(NamedTuple):
 
 
 class PieceSource(Protocol):
-    """Where a re-plan takes the values of the pieces every rank holds under the new plan."""
+    """Where a re-plan takes the values of the pieces every rank holds under the new plan.
+
+    ``trained_rates``: after :meth:`load`, block name -> the forward keep rate the loaded values were
+    trained at (:func:`~subnetdp.sdp.keep_rates.forward_keep_rates`), or None when they are the
+    state's own (the plan before the change tells).
+    """
+
+    trained_rates: Optional[dict[str, float]]
 
     def load(self, state: "TrainState", previous: Optional[Holding]) -> Optional[int]:
         """Fill ``state.model`` (every piece and buffer this rank holds under ``state.plan``) and what
@@ -73,6 +81,8 @@ class PeerPieces:
     order (:func:`subnetdp.sdp.resample.receive_from_owners`). The optimizer state starts fresh on
     every rank and the schedule keeps its position (documented in :mod:`subnetdp.sdp.resample`).
     """
+
+    trained_rates = None  # the live values were trained under the plan before the change
 
     def load(self, state: "TrainState", previous: Optional[Holding]) -> None:
         if previous is None:
@@ -102,6 +112,8 @@ class TrainState(TrainStateView):
         self._settings = SyncSettings.from_config(cfg)
         self._parallel = RankParallelism(cfg, ctx.comm)
         self._guard = NonFiniteGuard(ctx.comm, str(cfg.train.on_nonfinite), self._last_good)
+        # Block -> the highest training keep rate its values have run at (see _keep_rates_rise).
+        self._rates_run = forward_keep_rates(cfg.masker, partition, plan)
         every = int(cfg.masker.resample_every)
         self._resampler = Resampler(partition, plan, int(cfg.seed), every, str(cfg.masker.group_by)) if every > 0 else None
         self._install(model, pmap, plan)
@@ -236,7 +248,8 @@ class TrainState(TrainStateView):
         initialisation makes, the parallelisms, optimizer (fresh), schedule (at the current step),
         synchroniser and refresher are rebuilt on it, the source fills it, and a tensor left unfilled
         is an error. When the plan is the same (resuming on the config's plan), the source loads into
-        the model in place.
+        the model in place. A residual branch that now runs in more of the training forwards than its
+        values were trained at is scaled by the ratio of the rates (:meth:`_keep_rates_rise`).
         """
         ctx, previous = self._ctx, None
         if new_plan.digest() != self._plan.digest():
@@ -255,3 +268,32 @@ class TrainState(TrainStateView):
             self._model.train()
         if step is not None:
             self._step = step
+        self._keep_rates_rise(self._rates_run if source.trained_rates is None else source.trained_rates)
+
+    def _keep_rates_rise(self, trained: dict[str, float]) -> None:
+        """Block-level forward masking: scale each residual branch whose keep rate the new plan raises
+        above ``trained`` (the highest rate its values have run at) by old / new rate, as the rescaled
+        union evaluation does (:mod:`subnetdp.sdp.keep_rates`), and say so in one line (rank 0).
+        ``eval.block_union=x1`` leaves them (and says that). A rate that falls changes nothing, and a
+        branch that returns to a rate it ran at before is not scaled again: re-drawn plans whose owner
+        counts differ move rates up and down, and scaling at every rise would shrink the branch at
+        every re-draw (docs/checkpoints.md, "Resuming on another world size, coverage or masker")."""
+        ctx = self._ctx
+        now = forward_keep_rates(ctx.cfg.masker, self._partition, self._plan)
+        rising = rising_rates(trained, now)
+        self._rates_run = {name: max(rate, trained.get(name, rate)) for name, rate in now.items()}
+        if not rising:
+            return
+        what = (f"the new plan runs {len(rising)} residual branch(es) in more of the training forwards than "
+                f"they were trained at: {describe(rising)}")
+        if str(ctx.cfg.eval.block_union) == "x1":
+            line = f"{what}; not rescaled (eval.block_union=x1)"
+        else:
+            scales = {name: old / new for name, (old, new) in rising.items()}
+            # Elementwise: a rank's shards (fsdp.shard_size > 1) and their optimizer state scale as they are.
+            rescale_branches(self._model, ctx.adapter.branch_output_layers(self._model), scales, self._optimizer,
+                             self._sync.extra_tensors())
+            line = (f"{what}; each scaled by old/new rate in its output layer, with its optimizer state, as "
+                    "the rescaled union is evaluated (eval.block_union=rescaled)")
+        if ctx.rank == 0:
+            print(f"subnetdp: {line}", flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from subnetdp.core.contracts import LaunchEnv
@@ -176,3 +177,77 @@ def test_a_resume_that_leaves_a_unit_unowned_is_refused_with_the_smallest_fix():
     msg = str(e.value)
     assert "the smallest masker.coverage that works with 1 ranks is 1" in msg, msg
     assert "masker.coverage=0.5 works from 2 ranks on" in msg, msg
+
+
+# ---------------------------------------------------------------- block level: keep rates that rise
+BLOCK = ("masker.granularity=block", "masker.coverage=0.5", "train.batch_size=8", "eval.every=0", "eval.batches=1",
+         "checkpoint.enabled=true", "optim.schedule=constant")
+WATCHED = "layer1.0.bn2"  # a residual branch's output layer (its BatchNorm's affine weight and bias)
+
+
+def _block_resume(rank: int, world: int, init_method: str, ckpt_dir: str, block_union: str) -> dict:
+    """Resume the C = 0.5 checkpoint at C = 1; the first forward's loss on this rank's next batch, and
+    the union model of the same checkpoint (as ``subnetdp eval`` loads it) on that batch."""
+    import contextlib
+    import io
+
+    from subnetdp.evaluate.export import load_union
+
+    cfg = small_config(*BLOCK, f"comm.init_method={init_method}", "masker.coverage=1", f"eval.block_union={block_union}",
+                       f"train.steps={STEPS + 1}", f"resume={ckpt_dir}", "run.name=c1",
+                       run_dir=init_method.removeprefix("file://") + "-runs")
+    env = LaunchEnv(rank, world, rank, world, "test")
+    pm = plugin_manager()
+    set_threads(cfg, env)
+    ctx, st = setup(cfg, env, pm)
+    try:
+        loader = ctx.data.train_loader(rank, world, int(cfg.train.batch_size))
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            Checkpointer(ctx, st, loader).start()  # collective
+        batch = next(iter(loader))
+        st.model.train()
+        with torch.no_grad():
+            loss = float(ctx.adapter.training_loss(st.model, batch))
+            union = load_union(ckpt_dir, pm)  # eval.block_union=rescaled, as the checkpoint's run evaluated it
+            union.model.train()
+            union_loss = float(ctx.adapter.training_loss(union.model, batch))
+        bn = st.model.get_submodule(WATCHED)
+        return {"loss": loss, "union_loss": union_loss, "scales": union.branch_scales, "said": said.getvalue(),
+                "weight": bn.weight.detach().clone(), "bias": bn.bias.detach().clone(),
+                "momentum": st.optimizer.state[bn.weight]["momentum_buffer"].clone()}
+    finally:
+        ctx.comm.shutdown()
+
+
+def _write_block_then_resume(rank: int, world: int, init_method: str) -> dict:
+    from subnetdp.train.loop import train
+
+    cfg = small_config(*BLOCK, f"comm.init_method={init_method}", "run.name=c05", f"train.steps={STEPS}",
+                       "checkpoint.final=always", run_dir=init_method.removeprefix("file://") + "-runs")
+    run = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
+    ckpt = str(ck.step_dir(run.context.run_dir, STEPS))
+    return {mode: _block_resume(rank, world, f"{init_method}-{mode}", ckpt, mode) for mode in ("rescaled", "x1")}
+
+
+def test_a_resume_that_raises_keep_rates_starts_from_the_rescaled_union(tmp_path):
+    # 2 ranks at C = 0.5: every block ran in half of the training forwards; at C = 1 in all of them.
+    results = run_ranks(_write_block_then_resume, 2, tmp_path, timeout=600)
+    for rank, res in enumerate(results):
+        rescaled, x1 = res["rescaled"], res["x1"]
+        assert rescaled["scales"] and set(rescaled["scales"].values()) == {0.5}, rescaled["scales"]
+        # The first forward computes what the rescaled union evaluation of the checkpoint computes.
+        torch.testing.assert_close(rescaled["loss"], rescaled["union_loss"], rtol=1e-5, atol=1e-6)
+        # Without the rule the full network runs every branch at x1: another function.
+        print(f"\nrank {rank}: first loss at C = 1 {rescaled['loss']:.4f} (rescaled union {rescaled['union_loss']:.4f}), "
+              f"{x1['loss']:.4f} with eval.block_union=x1")
+        assert x1["loss"] > rescaled["loss"] + 0.1, (x1["loss"], rescaled["loss"])
+        # Folded into the branch's output layer, with its momentum: x 1/2 exactly, nothing else.
+        for key in ("weight", "bias", "momentum"):
+            assert torch.equal(rescaled[key], x1[key] * 0.5), key
+    said = results[0]["rescaled"]["said"]
+    assert ("the new plan runs 8 residual branch(es) in more of the training forwards than they were trained at: "
+            "layer1.0, layer1.1, layer2.0, layer2.1, layer3.0, layer3.1, layer4.0, layer4.1 (0.5 -> 1); each scaled "
+            "by old/new rate") in said, said
+    assert "not rescaled (eval.block_union=x1)" in results[0]["x1"]["said"]
+    assert results[1]["rescaled"]["said"].count("subnetdp:") == 0  # rank 0 says it

@@ -175,3 +175,60 @@ def test_only_branches_with_output_layers_are_rescaled_and_the_rest_are_named():
     blind = NoOutputLayers(cfg.model)
     assert scalable_branches(blind, spec, scales) == ({}, ["layer1.0", "layer4.1"])
     assert scalable_branches(blind, spec, {}) == ({}, [])
+
+
+def test_a_rising_keep_rate_scales_the_branch_with_its_optimizer_and_synchroniser_state():
+    from subnetdp.core.errors import SubnetdpError
+    from subnetdp.sdp.keep_rates import rescale_branches, rising_rates
+
+    model = _build("llama", "model.n_layers=2").double()
+    adapter = plugin_manager().registries["model"].create("llama", small_config(recipe="llama_tiny_stdlib").model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(CASES["llama"][2]()).float().pow(2).mean().backward()
+    optimizer.step()
+    before = {n: ({k: v.clone() for k, v in optimizer.state[p].items()}, p.detach().clone())
+              for n, p in model.named_parameters()}
+    anchor = {n: p.detach().clone() for n, p in model.named_parameters()}  # local steps' outer state
+    rising = rising_rates({"layers.0": 0.5, "layers.1": 0.5}, {"layers.0": 1.0, "layers.1": 0.25})
+    assert rising == {"layers.0": (0.5, 1.0)}  # a rate that falls is left alone
+    scales = {name: old / new for name, (old, new) in rising.items()}
+    extra = [("outer_anchor/", n, t) for n, t in anchor.items()]
+    assert rescale_branches(model, adapter.branch_output_layers(model), scales, optimizer, extra) == 2
+    for n, p in model.named_parameters():
+        state, value = before[n]
+        s = 0.5 if n in ("layers.0.attention.wo.weight", "layers.0.feed_forward.w2.weight") else 1.0
+        assert torch.equal(p, value * s) and torch.equal(anchor[n], value * s), n
+        assert torch.equal(optimizer.state[p]["exp_avg"], state["exp_avg"] * s), n
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], state["exp_avg_sq"] * s * s), n
+        assert torch.equal(optimizer.state[p]["step"], state["step"]), n
+    optimizer.state[model.layers["0"].attention.wo.weight]["velocity"] = torch.zeros(1)
+    with pytest.raises(SubnetdpError, match="cannot rescale the optimizer state 'velocity' of layers.0.attention.wo"):
+        rescale_branches(model, adapter.branch_output_layers(model), scales, optimizer)
+
+
+def test_a_branch_is_scaled_once_when_its_rate_rises_and_not_again_at_the_same_rate(tmp_path, capsys):
+    from subnetdp.core.contracts import LaunchEnv
+    from subnetdp.train.setup import setup
+
+    class Trained:  # a source that loads nothing, whose values ran at half the forwards
+        def __init__(self, rates):
+            self.trained_rates = rates
+
+        def load(self, state, previous):
+            return None
+
+    cfg = small_config("comm.name=local", "masker.coverage=1", f"run.dir={tmp_path}", "run.name=r")
+    ctx, state = setup(cfg, LaunchEnv(0, 1, 0, 1, "test"), plugin_manager())
+    try:
+        bn = state.model.get_submodule("layer1.0.bn2")
+        bn.weight.data.fill_(1.0)
+        state.replan(state.plan, Trained({u.name: 0.5 for u in state.partition.units}))
+        assert torch.equal(bn.weight, torch.full_like(bn.weight, 0.5))
+        assert "layer1.0, layer1.1, layer2.0, layer2.1, layer3.0, layer3.1, layer4.0, layer4.1 (0.5 -> 1)" in \
+            capsys.readouterr().out
+        state.replan(state.plan, Trained(None))  # the values ran at 1 since: nothing more
+        assert torch.equal(bn.weight, torch.full_like(bn.weight, 0.5)) and capsys.readouterr().out == ""
+    finally:
+        ctx.comm.shutdown()
+        if ctx.lock is not None:
+            ctx.lock.release()

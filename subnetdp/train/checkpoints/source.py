@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from subnetdp.core.contracts import ResumableLoader
 from subnetdp.core.errors import CheckpointError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.keep_rates import forward_keep_rates
 from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
@@ -103,12 +104,14 @@ class CheckpointPieces:
             when the world size or batch size changed: :func:`~subnetdp.train.checkpoints.units.carry_position`).
 
     After :meth:`load`, :attr:`replanned` says whether the checkpoint was written under another plan
-    or world size (each rank then loaded its new units).
+    or world size (each rank then loaded its new units), and :attr:`trained_rates` how often each
+    residual branch ran in the forwards that trained it (the checkpoint's plan and masking regime).
     """
 
     def __init__(self, path: Path, loader: ResumableLoader) -> None:
         self.path, self.loader = Path(path), loader
         self.replanned = False
+        self.trained_rates: Optional[dict[str, float]] = None
 
     def load(self, state: "TrainState", previous: Optional["Holding"]) -> int:
         """Load this rank's pieces, state and position; returns the checkpoint's step. Collective when sharded."""
@@ -158,7 +161,19 @@ class CheckpointPieces:
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"{where}: its state does not fit this run ({e})") from None
         self.replanned = not same_plan
+        self.trained_rates = forward_keep_rates(trained_masker(path, manifest, ctx.cfg.masker), state.partition,
+                                                old_plan)
         return int(manifest["step"])
+
+
+def trained_masker(path: Path, manifest: dict[str, Any], masker: Any) -> Any:
+    """The ``masker`` section the checkpoint was trained with (its ``config.yaml``): its regime says
+    whether every branch ran in every forward. ``masker`` (this run's) when the file holds none."""
+    from subnetdp.core.stored import load_stored
+
+    stored = load_stored(ck.verify_file(path, "config.yaml", manifest))
+    found = stored.get("masker")
+    return found if isinstance(found, DictConfig) and "regime" in found else masker
 
 
 def load_optimizer(where: Path, saved: dict[str, Any], state: "TrainState", names: list[str],
