@@ -289,11 +289,15 @@ class TrainState(TrainStateView):
         if str(ctx.cfg.eval.block_union) == "x1":
             line = f"{what}; not rescaled (eval.block_union=x1)"
         else:
-            scales = {name: old / new for name, (old, new) in rising.items()}
+            layers = ctx.adapter.branch_output_layers(self._model)
+            scales = {name: old / new for name, (old, new) in rising.items() if layers.get(name)}
             # Elementwise: a rank's shards (fsdp.shard_size > 1) and their optimizer state scale as they are.
-            rescale_branches(self._model, ctx.adapter.branch_output_layers(self._model), scales, self._optimizer,
-                             self._sync.extra_tensors())
-            line = (f"{what}; each scaled by old/new rate in its output layer, with its optimizer state, as "
-                    "the rescaled union is evaluated (eval.block_union=rescaled)")
+            rescale_branches(self._model, layers, scales, self._optimizer, self._sync.extra_tensors())
+            line = what + ("; each scaled by old/new rate in its output layer, with its optimizer state, as "
+                           "the rescaled union is evaluated (eval.block_union=rescaled)" if scales else "")
+            blind = sorted(set(rising) - set(scales))
+            if blind:  # the adapter's branch_output_layers names no layer for them: they stay at x1
+                line += (f"; not rescaled (the model adapter names no output layer for them): "
+                         f"{', '.join(blind[:8])}" + (f" and {len(blind) - 8} more" if len(blind) > 8 else ""))
         if ctx.rank == 0:
             print(f"subnetdp: {line}", flush=True)
