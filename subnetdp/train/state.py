@@ -33,6 +33,7 @@ from subnetdp.sdp.construct import build_local, empty_local, poisoned
 from subnetdp.sdp.keep_rates import describe, forward_keep_rates, rescale_branches, rising_rates
 from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.sdp.resample import Resampler, receive_from_owners
+from subnetdp.sdp.union import scalable_branches
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
 from subnetdp.sdp.synchronizers import make_synchronizer
 from subnetdp.sdp.variants import is_backward
@@ -289,13 +290,14 @@ class TrainState(TrainStateView):
         if str(ctx.cfg.eval.block_union) == "x1":
             line = f"{what}; not rescaled (eval.block_union=x1)"
         else:
-            layers = ctx.adapter.branch_output_layers(self._model)
-            scales = {name: old / new for name, (old, new) in rising.items() if layers.get(name)}
+            # Asked of the full model: this rank's subnetwork holds only the blocks it owns.
+            scales, blind = scalable_branches(ctx.adapter, ctx.spec,
+                                              {name: old / new for name, (old, new) in rising.items()})
             # Elementwise: a rank's shards (fsdp.shard_size > 1) and their optimizer state scale as they are.
-            rescale_branches(self._model, layers, scales, self._optimizer, self._sync.extra_tensors())
+            rescale_branches(self._model, ctx.adapter.branch_output_layers(self._model), scales, self._optimizer,
+                             self._sync.extra_tensors())
             line = what + ("; each scaled by old/new rate in its output layer, with its optimizer state, as "
                            "the rescaled union is evaluated (eval.block_union=rescaled)" if scales else "")
-            blind = sorted(set(rising) - set(scales))
             if blind:  # the adapter's branch_output_layers names no layer for them: they stay at x1
                 line += (f"; not rescaled (the model adapter names no output layer for them): "
                          f"{', '.join(blind[:8])}" + (f" and {len(blind) - 8} more" if len(blind) > 8 else ""))
