@@ -30,6 +30,14 @@ alternative, averaging the inner state among owners at every synchronisation too
 owners' optimizer state identical (the per-step invariant) but triple the bytes of a
 synchronisation for AdamW (docs/local_steps.md).
 
+Warm start (``sync.warmup_steps`` = S, a multiple of H): the first S steps are synchronised after
+every backward, exactly as ``sync.mode=every_step`` does (the same owner buckets, averaging
+gradients; owners bit-identical after every step; the guard's flags and stop signals in the step's
+world reduction), and local steps begin from the model they trained: after step S the anchor is the
+parameters every owner holds and the outer momentum is zero. DiLoCo starts its inner loops from a
+model trained with per-step synchronisation the same way. The outer state is allocated at that
+point, not before, and a checkpoint written during the warm-up holds none.
+
 Non-finite steps: between synchronisations a rank that sees an inf/NaN loss or gradient skips its
 own inner step and counts it; the counts travel with the next synchronisation's world bucket, so
 every rank learns of them at the same point and, with ``train.on_nonfinite=stop``, stops there
@@ -53,9 +61,14 @@ from subnetdp.sdp.sync import FLAG_SLOTS, OwnerGroupAverager, SyncSettings
 
 
 def check_config(cfg: Any) -> None:
-    """``sync.mode=local_steps``: what it does not compose with, and evaluations that fall on a
-    synchronisation (the ranges of ``sync.*`` are declared with the fields)."""
+    """``sync.mode=local_steps``: what it does not compose with, a warm-up of whole cycles, and
+    evaluations that fall on a synchronisation (the ranges of ``sync.*`` are declared with the fields)."""
     if cfg.sync.mode != "local_steps":
+        warmup = int(cfg.sync.warmup_steps)
+        if warmup:
+            raise ConfigError("sync.warmup_steps", warmup, "is the per-step warm-up before local steps; with "
+                              f"sync.mode={cfg.sync.mode} every step is synchronised anyway",
+                              "set sync.mode=local_steps, or leave sync.warmup_steps at 0")
         return
     every = int(cfg.sync.every)
     needs = (("fsdp.shard_size", 1, "composing local steps with FSDP's sharded parameters is not built"),
@@ -65,6 +78,12 @@ def check_config(cfg: Any) -> None:
         if value != want:
             raise ConfigError(key, value, f"sync.mode=local_steps needs {key}={want}: {why}",
                               f"set {key}={want}, or sync.mode=every_step")
+    warmup, steps = int(cfg.sync.warmup_steps), int(cfg.train.steps)
+    if warmup % every or warmup > steps:
+        raise ConfigError("sync.warmup_steps", warmup, f"must be a multiple of sync.every={every} and at most "
+                          f"train.steps={steps}, so every cycle of local steps is whole and starts after it",
+                          f"use sync.warmup_steps={min(every * (warmup // every), every * (steps // every))} "
+                          "(0: local steps from the first step)")
     if int(cfg.eval.every) % every:
         raise ConfigError("eval.every", int(cfg.eval.every), f"must be a multiple of sync.every={every} with "
                           "sync.mode=local_steps, so the union model is evaluated right after a synchronisation",
@@ -76,23 +95,20 @@ class LocalStepsSynchronizer:
 
     Between synchronisations it stands in for the per-step synchroniser in the loop (``prepare``,
     ``no_sync``, ``carry``, ``finish``, ``grad_norm``: all local); :meth:`after_update` synchronises
-    when a cycle ends (:meth:`due`, :meth:`synchronise`). Made by
+    when a cycle ends (:meth:`due`, :meth:`synchronise`). During the warm-up (``settings.warmup_steps``)
+    it is the per-step synchroniser: every call goes to its owner buckets, which average gradients
+    during backward, and :attr:`local` is False until the warm-up's last step. Made by
     :func:`~subnetdp.sdp.synchronizers.make_synchronizer` for ``sync.mode=local_steps``.
 
     Args:
         model, pmap, plan, partition, comm: as for :class:`OwnerGroupAverager`.
         settings: ``every`` (H, inner steps per synchronisation), the outer SGD's ``outer_lr`` and
-            Nesterov ``outer_momentum``, ``outer_on_host`` (outer state in host memory), the bucket
+            Nesterov ``outer_momentum``, ``outer_on_host`` (outer state in host memory),
+            ``warmup_steps`` (steps synchronised every step before local steps begin), the bucket
             layout (``bucket_cap_mb``, ``max_groups``) and ``on_nonfinite`` (``stop`` or ``skip``).
         last_good: gives the last good checkpoint, named when a synchronisation stops on inf/NaN.
         dense: force the buckets' dense (True) or grouped (False) mode; None chooses by ``max_groups``.
     """
-
-    # The inner step's inf/NaN check is this rank's own (no collective between synchronisations):
-    # the guard reads :meth:`carried` and never folds flags over the world.
-    replicated = True
-    checks_locally = True  # no world collective between synchronisations: the loop agrees on a stop itself
-    owners_diverge = True  # owners' copies differ between synchronisations: each owner checkpoints its own
 
     def __init__(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition,
                  comm: Communicator, settings: SyncSettings, last_good: Callable[[], Any] = lambda: None,
@@ -100,25 +116,51 @@ class LocalStepsSynchronizer:
         # collective: the owner groups are created here, exactly as for the per-step synchroniser.
         self.buckets = OwnerGroupAverager(model, pmap, plan, partition, comm, settings.bucket_cap_mb,
                                           settings.max_groups, dense)
-        self.buckets.remove_hooks()  # deltas are packed at a synchronisation, never during backward
         self.comm, self.every = comm, int(settings.every)
+        self.warmup = int(settings.warmup_steps)
         self.outer_lr, self.outer_momentum = float(settings.outer_lr), float(settings.outer_momentum)
         self.on_nonfinite = settings.on_nonfinite
         self.last_good = last_good
         self.params = self.buckets.params
         self.dense = self.buckets.dense
         self.on_host = bool(settings.outer_on_host)
-        pin = self.on_host and torch.cuda.is_available()
         self._anchor: dict[str, torch.Tensor] = {}
         self._momentum: dict[str, torch.Tensor] = {}
+        self.nonfinite = torch.zeros(comm.world_size, dtype=torch.float32)  # this cycle's skipped steps, per rank
+        self._loss_flags: torch.Tensor | None = None
+        self.syncs, self.sync_bytes, self.last_sync_bytes = 0, 0, 0
+        self.local = False  # in the warm-up: every call goes to the per-step buckets
+        if self.warmup == 0:
+            self._begin_local()
+
+    def _begin_local(self) -> None:
+        """Local steps from here on: the buckets leave backward (deltas are packed at a synchronisation),
+        and the outer state starts at the current parameters, every owner's the same."""
+        self.buckets.remove_hooks()
+        pin = self.on_host and torch.cuda.is_available()
         for name, p in self.params.items():
             a = torch.empty(p.shape, dtype=p.dtype, device="cpu" if self.on_host else p.device, pin_memory=pin)
             self._anchor[name] = a.copy_(p.detach())
             if self.outer_momentum > 0:
                 self._momentum[name] = torch.zeros_like(a)
-        self.nonfinite = torch.zeros(comm.world_size, dtype=torch.float32)  # this cycle's skipped steps, per rank
-        self._loss_flags: torch.Tensor | None = None
-        self.syncs, self.sync_bytes, self.last_sync_bytes = 0, 0, 0
+        self.local = True
+
+    # What the guard, the loop and the checkpointer ask (GradSynchronizer): in the warm-up the
+    # per-step buckets' answers; then the inner step's inf/NaN check is this rank's own (no world
+    # collective between synchronisations: the guard reads :meth:`carried` and never folds flags
+    # over the world, and the loop agrees on a stop itself), and owners' copies differ between
+    # synchronisations, so each owner checkpoints its own.
+    @property
+    def replicated(self) -> bool:
+        return True if self.local else self.buckets.replicated
+
+    @property
+    def checks_locally(self) -> bool:
+        return self.local
+
+    @property
+    def owners_diverge(self) -> bool:
+        return self.local
 
     # ------------------------------------------------------------------ inner steps (no collective)
     def prepare(self) -> None:
@@ -128,24 +170,38 @@ class LocalStepsSynchronizer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        yield  # nothing is communicated during backward anyway
+        if not self.local:
+            with self.buckets.no_sync():
+                yield
+        else:
+            yield  # nothing is communicated during backward anyway
 
     def carry(self, flags: torch.Tensor) -> bool:
         """Keep this rank's loss flags: the guard's check is local between synchronisations."""
+        if not self.local:
+            return self.buckets.carry(flags)
         self._loss_flags = flags
         return True
 
     def carried(self) -> torch.Tensor | None:
-        return self._loss_flags
+        return self._loss_flags if self.local else self.buckets.carried()
 
     def finish(self) -> None:
-        """No gradient collective between synchronisations: the inner step uses local gradients."""
+        """No gradient collective between synchronisations: the inner step uses local gradients.
+        Collective in the warm-up (owner groups average, as every step)."""
+        if not self.local:
+            self.buckets.finish()
 
     def local_grads(self) -> list[torch.Tensor]:
+        if not self.local:
+            return self.buckets.local_grads()
         return [p.grad for p in self.params.values() if p.grad is not None]
 
     def grad_norm(self, flags: torch.Tensor | None = None) -> float:
-        """Norm of this rank's own gradient (inner clipping: every piece it trains counted once)."""
+        """Norm of this rank's own gradient (inner clipping: every piece it trains counted once); in
+        the warm-up the averaged gradient's (collective unless C = 1)."""
+        if not self.local:
+            return self.buckets.grad_norm(flags)
         grads = self.local_grads()
         if not grads:
             return 0.0
@@ -157,13 +213,21 @@ class LocalStepsSynchronizer:
             g.mul_(coef)
 
     def defer_nonfinite(self, step: int) -> bool:
-        """This rank skips inner step ``step`` (inf/NaN); every rank hears of it at the next synchronisation."""
+        """This rank skips inner step ``step`` (inf/NaN); every rank hears of it at the next synchronisation.
+        In the warm-up every rank heard of it already: the guard applies ``train.on_nonfinite``."""
+        if not self.local:
+            return False
         self.nonfinite[self.comm.rank] += 1
         return True
 
     # ------------------------------------------------------------------ synchronisation
     def after_update(self, step: int, last_step: int) -> None:
-        """Synchronise when ``step`` ends a cycle. Collective then: every rank at the same steps."""
+        """Synchronise when ``step`` ends a cycle (collective then: every rank at the same steps);
+        local steps begin after the warm-up's last step."""
+        if not self.local:
+            if step >= self.warmup:
+                self._begin_local()  # every owner holds the same values: the anchor of the first cycle
+            return
         if self.due(step, last_step):
             self.synchronise(step)  # collective: owners average their parameter deltas; the outer optimizer steps
 
@@ -238,10 +302,16 @@ class LocalStepsSynchronizer:
         out = [("outer_anchor/", n, a) for n, a in self._anchor.items()]
         return out + [("outer_momentum/", n, m) for n, m in self._momentum.items()]
 
+    def resume_at(self, step: int) -> None:
+        """Resuming after ``step``: past the warm-up, local steps (with an outer state for the source
+        to fill) from here on; in it, per-step synchronisation until its last step."""
+        if not self.local and step >= self.warmup:
+            self._begin_local()
+
     def restore_extra(self, found: set[str]) -> None:
         """Without an anchor from the source (a checkpoint written with per-step synchronisation, or a
         re-plan from peers), a cycle starts at the loaded parameters; a missing momentum stays zero."""
-        if "outer_anchor/" not in found:
+        if self.local and "outer_anchor/" not in found:
             self.restart_cycle()
 
     def restart_cycle(self) -> None:
@@ -272,8 +342,9 @@ class LocalStepsSynchronizer:
         return self.buckets.state_tensors() + [t for _, _, t in self.extra_tensors()]
 
     def bytes_per_step(self) -> float:
-        """Payload per step averaged over the cycle: one synchronisation's buckets every ``every`` steps."""
-        return self.buckets.bytes_per_step() / self.every
+        """Payload per step averaged over the cycle: one synchronisation's buckets every ``every`` steps
+        (in the warm-up, the buckets every step)."""
+        return self.buckets.bytes_per_step() / (self.every if self.local else 1)
 
     def bytes_per_step_cycle(self) -> float:
         """Measured: the last synchronisation's payload divided by the cycle length."""
@@ -287,7 +358,8 @@ class LocalStepsSynchronizer:
 
     def describe(self) -> dict[str, Any]:
         """The summary's fields of this synchroniser (per rank)."""
-        return {"sync_mode": "local_steps", "sync_every": self.every, "outer_lr": self.outer_lr,
+        return {"sync_mode": "local_steps", "sync_every": self.every, "sync_warmup_steps": self.warmup,
+                "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "outer_state_on": "host" if self.on_host else "device",
                 "outer_state_bytes": self.outer_state_bytes(), "syncs": self.syncs,
                 "bytes_per_sync": self.sync_bytes / max(1, self.syncs),

@@ -112,6 +112,7 @@ class SyncSettings:
         bucket_cap_mb: the largest bucket (dense mode: chunk), in MiB.
         max_groups: the most distinct owner sets that get a process group; above it, dense mode.
         every, outer_lr, outer_momentum, outer_on_host: local steps' cycle and outer optimizer.
+        warmup_steps: local steps begin after this many steps synchronised every step.
         on_nonfinite: ``stop`` or ``skip``: what local steps do at a synchronisation that hears of inf/NaN.
     """
 
@@ -122,6 +123,7 @@ class SyncSettings:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     outer_on_host: bool = False
+    warmup_steps: int = 0
     on_nonfinite: str = "stop"
 
     @classmethod
@@ -129,7 +131,8 @@ class SyncSettings:
         s = cfg.sync
         return cls(mode=str(s.mode), bucket_cap_mb=float(s.bucket_cap_mb), max_groups=int(s.max_groups),
                    every=int(s.every), outer_lr=float(s.outer_lr), outer_momentum=float(s.outer_momentum),
-                   outer_on_host=bool(s.outer_on_host), on_nonfinite=str(cfg.train.on_nonfinite))
+                   outer_on_host=bool(s.outer_on_host), warmup_steps=int(s.warmup_steps),
+                   on_nonfinite=str(cfg.train.on_nonfinite))
 
     @property
     def cycle(self) -> int:
@@ -196,6 +199,11 @@ class GradSynchronizer(Protocol):
         anchor and outer momentum), each of its parameter's local shape, so a checkpoint keys it by
         unit like the parameter. Empty for every-step synchronisers."""
 
+    def resume_at(self, step: int) -> None:
+        """The run continues after ``step`` (a checkpoint's), called before the pieces are loaded:
+        local steps with ``sync.warmup_steps`` take the phase of that step here (per-step
+        synchronisation before it, local steps and their outer state from it on)."""
+
     def restore_extra(self, found: set[str]) -> None:
         """After the pieces were loaded: ``found`` are the prefixes of :meth:`extra_tensors` the source
         held; make up for what it lacked (local steps without an anchor restart their cycle here)."""
@@ -240,6 +248,9 @@ class EveryStepSync:
 
     def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         return []
+
+    def resume_at(self, step: int) -> None:
+        return None  # the same synchronisation at every step
 
     def restore_extra(self, found: set[str]) -> None:
         return None

@@ -224,3 +224,110 @@ def test_local_steps_match_per_step_sync_update_owners_and_resume(tmp_path):
     assert full0.keys() == full1.keys() and len(full0) > 20
     for name, t in full0.items():
         assert torch.equal(full1[name], t), name
+
+
+# ---------------------------------------------------------------------------- sync.warmup_steps
+WARM = ["masker.granularity=neuron", "masker.units_per_layer=4", "masker.coverage=0.75", "optim.name=adamw",
+        "optim.lr=1e-3", "optim.clip_grad_norm=1.0", "train.steps=8", "checkpoint.enabled=true",
+        "checkpoint.every=3", "checkpoint.keep=0"]
+WARM_LOCAL = ["sync.mode=local_steps", "sync.every=2", "sync.warmup_steps=4", "sync.outer_lr=0.7",
+              "sync.outer_momentum=0.9"]
+
+
+class _Pieces:
+    """Every owned piece's value after every step, keyed by piece, with the owners of each."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[tuple, torch.Tensor]] = []
+        self.owners: dict[tuple, tuple[int, ...]] = {}
+
+    @hookimpl
+    def subnetdp_on_step_end(self, state) -> None:
+        rank = state.context.rank
+        params = dict(state.model.named_parameters())
+        index = LocalIndex(state.model, state.pmap)
+        out = {}
+        for it in global_items(state.partition, state.plan):
+            if rank in it.owners:
+                local, dim, start, stop = index.find(it)
+                t = params[local].detach()
+                out[_key(it)] = (t if dim is None else t.narrow(dim, start, stop - start)).clone()
+                self.owners[_key(it)] = it.owners
+        self.steps.append(out)
+
+
+def _warm_run(rank: int, world: int, init_method: str, cache: str, tag: str, overrides: list[str]) -> dict:
+    cfg = small_config("train.batch_size=4", "data.seq_len=32", "data.stdlib_max_mb=0.5", f"data.cache_dir={cache}",
+                       *overrides, "eval.every=0", "eval.batches=2", "eval.batch_size=8",
+                       f"comm.init_method={init_method}-{tag}", f"run.name={tag}", recipe="llama_tiny_stdlib",
+                       run_dir=init_method.removeprefix("file://") + "-runs")
+    pm = plugin_manager()
+    pieces = _Pieces()
+    ctx, st = setup(cfg, LaunchEnv(rank, world, rank, world, "test"), pm)
+    try:
+        pm.pm.register(pieces)
+        try:
+            result = train_loop(ctx, st)
+        finally:
+            pm.pm.unregister(pieces)
+        return {"steps": pieces.steps, "owners": pieces.owners, "summary": result.summary["ranks"][rank],
+                "run_dir": str(ctx.run_dir)}
+    finally:
+        ctx.comm.shutdown()
+
+
+def _warm_worker(rank: int, world: int, init_method: str, cache: str) -> dict:
+    out = {"every": _warm_run(rank, world, init_method, cache, "every", WARM),
+           "warm": _warm_run(rank, world, init_method, cache, "warm", WARM + WARM_LOCAL)}
+    start = str(ck.step_dir(Path(out["warm"]["run_dir"]), 3))
+    out["resumed"] = _warm_run(rank, world, init_method, cache, "resumed", WARM + WARM_LOCAL + [f"resume={start}"])
+    after = str(ck.step_dir(Path(out["warm"]["run_dir"]), 6))
+    out["after"] = _warm_run(rank, world, init_method, cache, "after", WARM + WARM_LOCAL + [f"resume={after}"])
+    return out
+
+
+def test_warmup_steps_synchronise_every_step_then_local_steps_resume_across_the_boundary(tmp_path):
+    """``sync.warmup_steps=4``, H = 2, 8 steps, 2 ranks, neuron C = 0.75 (pieces with one and two owners),
+    AdamW with clipping: steps 1-4 are the per-step synchroniser's, bit for bit, with owners identical
+    after each; then owners drift apart between synchronisations (steps 5, 7) and agree at them (6, 8).
+    The checkpoint of step 3 holds no outer state, step 6's does; resuming from step 3 (crossing the
+    boundary) or from step 6 (after it, outer state and all) ends bit-identical to the uninterrupted run."""
+    cache = tmp_path / "data"
+    TokensData(TokensConfig(root="stdlib", cache_dir=str(cache), stdlib_max_mb=0.5), seed=0).check()
+    results = run_ranks(_warm_worker, 2, tmp_path, str(cache), timeout=600)
+    owners = {**results[0]["warm"]["owners"], **results[1]["warm"]["owners"]}
+    shared = [k for k, o in owners.items() if len(o) == 2]
+    assert shared and any(len(o) == 1 for o in owners.values())
+    for r in results:
+        every, warm = r["every"]["steps"], r["warm"]["steps"]
+        assert len(every) == len(warm) == 8
+        for step in range(4):  # the warm-up: the per-step synchroniser's values
+            assert every[step].keys() == warm[step].keys()
+            for key, value in every[step].items():
+                assert torch.equal(warm[step][key], value), (step + 1, key)
+        assert any(not torch.equal(warm[4][k], every[4][k]) for k in warm[4])  # step 5 is a local step
+        summary = r["warm"]["summary"]
+        assert summary["sync_warmup_steps"] == 4 and summary["syncs"] == 2 and summary["sync_mode"] == "local_steps"
+    agree = [all(torch.equal(results[0]["warm"]["steps"][s][k], results[1]["warm"]["steps"][s][k]) for k in shared)
+             for s in range(8)]
+    assert agree == [True, True, True, True, False, True, False, True]
+    run = Path(results[0]["warm"]["run_dir"])
+
+    def outer_keys(step: int) -> set[str]:
+        return {k for f in ck.step_dir(run, step).glob("*.safetensors") for k in load_file(str(f))
+                if k.startswith("outer_")}
+
+    assert not outer_keys(3) and any(k.startswith("outer_anchor/") for k in outer_keys(6))
+    done = ck.step_dir(run, 8)
+    names = sorted(f.name for f in done.glob("*.safetensors"))
+    for resumed in (ck.step_dir(Path(results[0][k]["run_dir"]), 8) for k in ("resumed", "after")):
+        assert names and names == sorted(f.name for f in resumed.glob("*.safetensors"))
+        for name in names:
+            a, b = load_file(str(done / name)), load_file(str(resumed / name))
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k], b[k]), (resumed, k)
+    for s in range(3, 8):  # the resumed run's steps 4-8, piece by piece
+        for r in results:
+            for key, value in r["warm"]["steps"][s].items():
+                assert torch.equal(r["resumed"]["steps"][s - 3][key], value), (s + 1, key)

@@ -55,6 +55,9 @@ def test_bad_values_name_the_key(override, key, words):
     (["fsdp.shard_size=2"], "fsdp.shard_size", ["sync.mode=local_steps needs fsdp.shard_size=1", "sync.mode=every_step"]),
     (["masker.resample_every=5"], "masker.resample_every", ["needs masker.resample_every=0"]),
     (["eval.every=10"], "eval.every", ["multiple of sync.every=4", "eval.every=12"]),
+    (["sync.warmup_steps=6"], "sync.warmup_steps", ["multiple of sync.every=4", "use sync.warmup_steps=4"]),
+    (["train.steps=8", "optim.warmup_steps=0", "eval.every=0", "sync.warmup_steps=12"], "sync.warmup_steps",
+     ["at most train.steps=8", "use sync.warmup_steps=8"]),
 ])
 def test_local_steps_refusals_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError) as e:
@@ -62,7 +65,13 @@ def test_local_steps_refusals_name_the_key(overrides, key, words):
     assert e.value.key == key
     for w in words:
         assert w in str(e.value), (w, str(e.value))
-    cfg("sync.mode=local_steps", "sync.every=4", "eval.every=8")  # a multiple is fine
+    cfg("sync.mode=local_steps", "sync.every=4", "eval.every=8", "sync.warmup_steps=8")  # multiples are fine
+
+
+def test_a_sync_warmup_without_local_steps_is_refused():
+    with pytest.raises(ConfigError) as e:
+        cfg("sync.warmup_steps=4")
+    assert e.value.key == "sync.warmup_steps" and "set sync.mode=local_steps" in str(e.value)
 
 def test_unknown_recipe_suggests_a_close_one():
     with pytest.raises(ConfigError, match="did you mean 'resnet18_digits'"):

@@ -131,6 +131,7 @@ class CheckpointPieces:
         reader = units.PieceReader(path, manifest)
         names = local_names(state.model, state.optimizer)
         sync = state.synchronizer
+        sync.resume_at(int(manifest["step"]))  # local steps' warm-up: the phase, before its state is loaded
         # collective when sharded: full tensors in, cut back into this rank's shards on exit.
         with torch.no_grad(), state.parallel.gathered(state.model, writeback=True):
             index = LocalIndex(state.model, state.pmap)
