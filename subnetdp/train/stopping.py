@@ -9,7 +9,10 @@ this rank's flags left is agreed at the next step. Only a step that issues no wo
 (local steps between synchronisations) agrees in :meth:`StopRequest.agreed`, one tiny all-reduce.
 All ranks then write a checkpoint of that step together and leave with :class:`Interrupted` (exit
 code 128 + the signal's number, one line on the console, no traceback). A second signal aborts at
-once, without a checkpoint.
+once, without a checkpoint. Ctrl-C is answered at once with a line saying so; a first SIGTERM only
+by the stop line at the boundary (an elastic agent sends one to every worker when another worker
+died: those ranks then leave on the lost peer instead, and a notice of a stop that never comes would
+only mislead).
 
 A signal that arrives before the loop starts (set-up, rendezvous, resuming) leaves at once too:
 there is nothing to save yet.
@@ -102,7 +105,10 @@ class StopRequest:
             self._exit_now(128 + signum)
             return
         self.signum = signum
-        if not self._leaving:
+        # Ctrl-C is a person waiting for an answer. SIGTERM comes from a scheduler, or from an agent
+        # whose other worker just died (this rank then meets the loss, and no stop follows): the stop
+        # line at the step boundary names it.
+        if signum == signal.SIGINT and not self._leaving:
             self._say(f"{name} received: stopping after this step, with a checkpoint "
                       "(press Ctrl-C again to abort at once)")
 

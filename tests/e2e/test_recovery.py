@@ -95,6 +95,7 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
     step = ck.step_dir(run, recovered)
     assert f"resumed from {step} (step {recovered})" in proc.stdout
     assert "the launcher restarts the workers (restart 1 of 1), which continue from there" in proc.stderr
+    assert "SIGTERM received" not in proc.stderr  # the agent's SIGTERM after the death announces no stop
     # Every piece (value and optimizer state) as the surviving owners held it at that step.
     _assert_pieces_equal(step, ck.step_dir(reference, recovered))
     # ...and the run goes on to the reference's end: parameters and optimizer state bit for bit.
