@@ -43,6 +43,8 @@ class SyncConfig:
     outer_momentum: float = doc('local_steps: outer Nesterov momentum (DiLoCo: 0.9, for runs of many outer steps)', 0.0,
                                 lo=0, hi=1, hi_open=True, fix="0 turns outer momentum off; DiLoCo uses 0.9")
     outer_on_host: bool = doc('local_steps: keep the outer state (anchor, momentum) in host memory', False)
+    stop_every_step: bool = doc('local_steps: agree on a stop signal after every step (one world all-reduce a step) '
+                                'instead of at synchronisations, where a stop waits up to sync.every - 1 steps', False)
     warmup_steps: int = doc('local_steps: steps synchronised after every step before local steps begin (DiLoCo '
                             'warm-starts from a per-step-trained model); a multiple of sync.every', 0, lo=0,
                             fix="0 starts local steps at the first step")

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -69,6 +69,10 @@ def check_config(cfg: Any) -> None:
             raise ConfigError("sync.warmup_steps", warmup, "is the per-step warm-up before local steps; with "
                               f"sync.mode={cfg.sync.mode} every step is synchronised anyway",
                               "set sync.mode=local_steps, or leave sync.warmup_steps at 0")
+        if bool(cfg.sync.stop_every_step):
+            raise ConfigError("sync.stop_every_step", True, "chooses where local steps agree on a stop; with "
+                              f"sync.mode={cfg.sync.mode} every step's world reduction carries the signals anyway",
+                              "set sync.mode=local_steps, or leave sync.stop_every_step at false")
         return
     every = int(cfg.sync.every)
     needs = (("fsdp.shard_size", 1, "composing local steps with FSDP's sharded parameters is not built"),
@@ -221,25 +225,30 @@ class LocalStepsSynchronizer:
         return True
 
     # ------------------------------------------------------------------ synchronisation
-    def after_update(self, step: int, last_step: int) -> None:
-        """Synchronise when ``step`` ends a cycle (collective then: every rank at the same steps);
-        local steps begin after the warm-up's last step."""
+    def after_update(self, step: int, last_step: int, signum: int = 0) -> Optional[dict[int, int]]:
+        """Synchronise when ``step`` ends a cycle (collective then: every rank at the same steps), with
+        this rank's pending stop signal ``signum`` in the world bucket; returns the signals agreed there
+        (None between synchronisations). Local steps begin after the warm-up's last step."""
         if not self.local:
             if step >= self.warmup:
                 self._begin_local()  # every owner holds the same values: the anchor of the first cycle
-            return
+            return None
         if self.due(step, last_step):
-            self.synchronise(step)  # collective: owners average their parameter deltas; the outer optimizer steps
+            # collective: owners average their parameter deltas; the outer optimizer steps.
+            return self.synchronise(step, signum)
+        return None
 
     def due(self, step: int, last: int) -> bool:
         """Whether ``step`` ends a cycle (every ``every`` steps, and the run's last step)."""
         return step % self.every == 0 or step == last
 
     @torch.no_grad()
-    def synchronise(self, step: int) -> None:
+    def synchronise(self, step: int, signum: int = 0) -> dict[int, int]:
         """Average the owners' deltas in the owner buckets, then the outer step. Collective.
 
-        Every rank of the world calls it at the same steps (:meth:`due`).
+        Every rank of the world calls it at the same steps (:meth:`due`). The cycle's inf/NaN counts
+        and every rank's pending stop signal (``signum``: this rank's) ride in the world bucket;
+        returns the signals (rank -> number, empty for none), the same on every rank.
         """
         before = self.comm.bytes.total()
         b = self.buckets
@@ -250,15 +259,16 @@ class LocalStepsSynchronizer:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(a, non_blocking=True).sub_(p)  # this rank's pseudo-gradient: minus its delta
         world = self.comm.world_size
-        # The carrier's stop-signal slots stay 0: the loop agrees on a stop after every local step.
         flags = torch.zeros(FLAG_SLOTS * world, device=b._device(), dtype=b._dtype())
         flags[:world] = self.nonfinite
+        flags[world + self.comm.rank] = float(signum)
         carried = b.carry(flags)
         b.finish()  # collective: every owner group averages its buckets (the world its shared tensors)
         if carried:
             flags = b.carried()
         elif world > 1:  # no bucket goes to the whole world: the counts need their own
             self.comm.all_reduce(flags, self.comm.world).wait()  # collective: every rank
+        stops = {r: int(s) for r, s in enumerate(flags[world:].tolist()) if s}
         self._check_finite(flags[:world].cpu(), step)
         lr, mu = self.outer_lr, self.outer_momentum
         for name, p in self.params.items():
@@ -275,6 +285,7 @@ class LocalStepsSynchronizer:
         self.syncs += 1
         self.last_sync_bytes = self.comm.bytes.total() - before
         self.sync_bytes += self.last_sync_bytes
+        return stops
 
     def _check_finite(self, counts: torch.Tensor, step: int) -> None:
         ranks = {r: int(n) for r, n in enumerate(counts.tolist()) if n}

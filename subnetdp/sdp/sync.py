@@ -164,7 +164,8 @@ class GradSynchronizer(Protocol):
         """Accumulate gradients locally: no collective inside the block."""
 
     #: Whether the guard's check stays on this rank (local steps between synchronisations): the
-    #: step then agrees on no world flags, and the loop agrees on a stop in a collective of its own.
+    #: step then agrees on no world flags; stop signals wait for :meth:`after_update`'s
+    #: synchronisation (or, with ``sync.stop_every_step``, the loop's collective of its own).
     checks_locally: bool
 
     def carry(self, flags: torch.Tensor) -> bool:
@@ -190,9 +191,12 @@ class GradSynchronizer(Protocol):
         takes it over (local steps: this rank skips its inner step and every rank hears of it at the
         next synchronisation), False to let the guard apply ``train.on_nonfinite`` now."""
 
-    def after_update(self, step: int, last_step: int) -> None:
+    def after_update(self, step: int, last_step: int, signum: int = 0) -> Optional[dict[int, int]]:
         """After the optimizer update of ``step`` (of ``last_step``): local steps' outer synchronisation
-        when a cycle ends (collective then, on every rank at the same steps); nothing for every-step."""
+        when a cycle ends (collective then, on every rank at the same steps); nothing for every-step.
+
+        Returns the stop signals agreed in it (rank -> signal number, ``signum`` this rank's pending
+        one, 0 for none), or None when it issued no world reduction."""
 
     def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """``(key prefix, local parameter name, tensor)`` of the state it keeps per piece (local steps'
@@ -243,7 +247,7 @@ class EveryStepSync:
     def defer_nonfinite(self, step: int) -> bool:
         return False  # every step is synchronised: the guard applies train.on_nonfinite at once
 
-    def after_update(self, step: int, last_step: int) -> None:
+    def after_update(self, step: int, last_step: int, signum: int = 0) -> Optional[dict[int, int]]:
         return None  # the gradients were averaged before the update
 
     def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
@@ -624,7 +628,7 @@ class Checked(NamedTuple):
     finite: bool  # every rank's loss and averaged gradients are finite
     norm: float | None  # the averaged gradient's global norm, when it was needed
     #: rank -> pending stop signal, the same on every rank (empty: none); None when the step issued no
-    #: world reduction that carried them (local steps between synchronisations), so the loop agrees itself.
+    #: world reduction that carried them (local steps: their synchronisation carries them instead).
     stops: dict[int, int] | None
 
 

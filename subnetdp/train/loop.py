@@ -76,6 +76,7 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     meter = Meter(comm, state.parallel, first, steps, int(cfg.train.memory_step))
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
     evaluation: Evaluation | None = None
+    every_step_stop = bool(cfg.sync.stop_every_step)
     with reporting(ctx, meter):  # the built-in reporter: progress, log lines, TensorBoard, summary.json
         try:
             hook.subnetdp_on_run_start(context=ctx, state=state)
@@ -106,9 +107,12 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                 hook.subnetdp_on_step_end(context=ctx, state=state, step=step, metrics=metrics)
                 ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
                 if stopper is not None and step < steps:
-                    # The step agreed on the signals in its world reduction; one that issued none (local
-                    # steps between synchronisations, the same on every rank) agrees here.
-                    who = out.stops if out.stops is not None else stopper.agreed(comm)  # collective then
+                    # The step agreed on the signals in its world reduction (or local steps' synchronisation);
+                    # one that issued none (local steps between synchronisations, the same on every rank)
+                    # agrees here with sync.stop_every_step, else the next synchronisation does.
+                    who = out.stops
+                    if who is None and every_step_stop:
+                        who = stopper.agreed(comm)  # collective: every rank, after this step
                     if who:
                         _stop(ctx, ckpt, step, who)
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds

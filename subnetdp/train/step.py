@@ -27,8 +27,9 @@ class StepResult:
     loss: torch.Tensor  # this rank's loss of the step (micro-batches summed, each / accum), detached
     grad_norm: float | None  # the averaged gradient's global norm, when it was needed
     updated: bool  # False when the guard skipped a non-finite step
-    #: rank -> pending stop signal, agreed in the step's world reduction (empty: go on); None when the
-    #: step issued none (local steps between synchronisations): the loop then agrees on its own.
+    #: rank -> pending stop signal, agreed in the step's world reduction or local steps'
+    #: synchronisation (empty: go on); None when the step issued neither (local steps between
+    #: synchronisations): the loop then agrees on its own with ``sync.stop_every_step``, else not at all.
     stops: dict[int, int] | None = None
 
 
@@ -138,11 +139,13 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
     if ctx.scheduler is not None:
         ctx.scheduler.step()
     progress.updated = True  # the commit point is behind: every rank contributed to the last world collective
-    # collective when due: local steps' owners average their parameter deltas and the outer optimizer steps.
-    sync.after_update(step, ctx.last_step)
+    # collective when due: local steps' owners average their parameter deltas and the outer optimizer
+    # steps; every rank's pending signal rides in its world bucket.
+    agreed = sync.after_update(step, ctx.last_step, signal())
+    stops = checked.stops if agreed is None else agreed
     progress.settled = True
     if ctx.refresher is not None and ctx.refresher.due(step):
         comm = ctx.refresher.comm
         with comm.bytes.phase("refresh"):
             ctx.refresher.refresh()  # collective: owners' new values reach every rank
-    return StepResult(loss_sum, norm, finite, checked.stops)
+    return StepResult(loss_sum, norm, finite, stops)

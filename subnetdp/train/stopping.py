@@ -5,8 +5,10 @@ rank where it stands: the handler only records the signal (:meth:`StopRequest.pe
 rank learns in the step whether any rank received one: the signal numbers ride in the step's world
 reduction beside the inf/NaN flags (:class:`~subnetdp.sdp.sync.NonFiniteGuard`; in the world's
 gradient bucket at C = 1), so agreeing costs no collective of its own. A signal that arrives after
-this rank's flags left is agreed at the next step. Only a step that issues no world reduction
-(local steps between synchronisations) agrees in :meth:`StopRequest.agreed`, one tiny all-reduce.
+this rank's flags left is agreed at the next step. Local steps carry the signals in their
+synchronisation's world bucket, so a stop waits for the next one (up to ``sync.every - 1`` steps);
+with ``sync.stop_every_step`` a step between synchronisations agrees in
+:meth:`StopRequest.agreed`, one tiny all-reduce.
 All ranks then write a checkpoint of that step together and leave with :class:`Interrupted` (exit
 code 128 + the signal's number, one line on the console, no traceback). A second signal aborts at
 once, without a checkpoint. Ctrl-C is answered at once with a line saying so; a first SIGTERM only

@@ -80,11 +80,12 @@ class _Recorder:
 
         original = sync.synchronise
 
-        def recorded(step: int) -> None:
+        def recorded(step: int, signum: int = 0) -> dict:
             before = {"step": step, "params": pieces(sync.params), "anchor": pieces(sync._anchor),
                       "momentum": pieces(sync._momentum)}
-            original(step)
+            stops = original(step, signum)
             self.syncs.append({**before, "after": pieces(sync.params), "owners": {_key(it): it.owners for it in items}})
+            return stops
 
         sync.synchronise = recorded
 

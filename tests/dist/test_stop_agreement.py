@@ -10,8 +10,11 @@ the flags in the world's last gradient bucket at C = 1 and in the guard's all-re
   rank and signal, and both leave with 128 + SIGTERM;
 - the flags' two halves stay apart: an inf/NaN loss on one rank (``train.on_nonfinite=skip``)
   skips the step on both ranks and is no stop, and a signal is not taken for an inf/NaN;
-- local steps (no world collective between synchronisations) still agree in a ``stop`` all-reduce
-  of their own after every step, and stop after the step the signal arrived in.
+- local steps (no world collective between synchronisations, H = 2) agree at their synchronisations:
+  the signals ride in the synchronisation's world bucket, no ``stop`` collective is ever issued, and a
+  signal that arrives after step 2's synchronisation stops both ranks after step 4's; with
+  ``sync.stop_every_step=true`` they agree in a ``stop`` all-reduce after every step between
+  synchronisations and stop after the step the signal arrived in.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ RUNS = {
     "c1": (["masker.coverage=1", "optim.clip_grad_norm=0"], 3, None, (0, 2)),
     "c05": (["masker.coverage=0.5", "optim.clip_grad_norm=1.0"], None, 2, (1, 1)),
     "local": (["masker.coverage=0.5", "sync.mode=local_steps", "sync.every=2"], None, 2, None),
+    "local_every": (["masker.coverage=0.5", "sync.mode=local_steps", "sync.every=2", "sync.stop_every_step=true"],
+                    None, 1, None),
 }
 
 
@@ -73,6 +78,7 @@ def _run(rank: int, world: int, init_method: str, tag: str) -> dict:
         finally:
             ctx.comm.shutdown()
         record["step"] = st.step
+        record["counts_end"] = _counts(ctx.comm)
         return record
 
 
@@ -106,8 +112,13 @@ def test_stop_signals_ride_in_the_world_reduction_and_issue_no_collective_of_the
         assert c05["updated"] == [False, True, True]
         for counts in _per_step(c05["counts"]):
             assert "stop" not in counts and counts.get("guard") == 1, counts
-        # Local steps: no world reduction between synchronisations, so the loop agrees after every step.
+        # Local steps: the signal that arrived after step 2's synchronisation rides in step 4's.
         local = r["local"]
-        assert local["exit"] == 128 + TERM and local["step"] == 2
-        assert local["stops"] == [None, None]
-        assert _per_step(local["counts"])[0].get("stop") == 1
+        assert local["exit"] == 128 + TERM and local["step"] == 4
+        assert local["stops"] == [None, {}, None, {1: TERM}]
+        assert all("stop" not in counts for counts in _per_step(local["counts"]))
+        # ... or, with sync.stop_every_step, in a stop all-reduce after a step between synchronisations.
+        every = r["local_every"]
+        assert every["exit"] == 128 + TERM and every["step"] == 1
+        assert every["stops"] == [None]
+        assert _per_step(every["counts"] + [every["counts_end"]])[0].get("stop") == 1

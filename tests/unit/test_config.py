@@ -68,10 +68,11 @@ def test_local_steps_refusals_name_the_key(overrides, key, words):
     cfg("sync.mode=local_steps", "sync.every=4", "eval.every=8", "sync.warmup_steps=8")  # multiples are fine
 
 
-def test_a_sync_warmup_without_local_steps_is_refused():
+@pytest.mark.parametrize("override", ["sync.warmup_steps=4", "sync.stop_every_step=true"])
+def test_local_steps_keys_without_local_steps_are_refused(override):
     with pytest.raises(ConfigError) as e:
-        cfg("sync.warmup_steps=4")
-    assert e.value.key == "sync.warmup_steps" and "set sync.mode=local_steps" in str(e.value)
+        cfg(override)
+    assert e.value.key == override.split("=")[0] and "set sync.mode=local_steps" in str(e.value)
 
 def test_unknown_recipe_suggests_a_close_one():
     with pytest.raises(ConfigError, match="did you mean 'resnet18_digits'"):
