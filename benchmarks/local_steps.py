@@ -15,6 +15,10 @@ validation set). Runs, all at the same number of inner steps and the same per-ra
   values (``sync.outer_lr=0.7``, ``sync.outer_momentum=0.9``);
 - the control, DDP with local steps (coverage 1, H = 16, plain averaging), whose paired gap is to
   DDP: what the interval costs without SDP;
+- ``--warm-start S`` adds, for each H of ``--warm-every`` (4, 8, 16), DiLoCo's recipe: S steps of
+  per-step synchronisation (``sync.warmup_steps``), then local steps with the outer Nesterov at
+  0.7 / 0.9, as SDP C = 0.5 and as DDP (C = 1, whose paired gap is to DDP): what local steps cost
+  without SDP, and what SDP adds to it;
 - ``--outer [H:]LR:MOMENTUM ...`` adds rows of other outer settings (the sweep in
   ``docs/local_steps.md``), ``--every-step-lr LR ...`` per-step SDP rows at other inner learning
   rates (the control for a damped outer step).
@@ -146,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every-step-lr", nargs="*", type=float, default=[], metavar="LR",
                         help="extra per-step SDP rows at these inner learning rates (optim.lr), labelled "
                              "'SDP C=0.5, every step, lr LR': does a damped outer step only lower the learning rate?")
+    parser.add_argument("--warm-start", type=int, default=0, metavar="S",
+                        help="DiLoCo rows: S per-step synchronised steps (sync.warmup_steps), then local steps with "
+                             "the outer Nesterov 0.7/0.9, SDP C=0.5 and DDP (C=1), for each H of --warm-every")
+    parser.add_argument("--warm-every", nargs="*", type=int, default=[4, 8, 16], metavar="H")
     args = parser.parse_args(argv)
 
     def add_row(label: str, overrides: list[str]) -> None:  # a row asked for by a flag also runs under --only
@@ -153,6 +161,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.only is not None:
             args.only.append(label)
 
+    for h in args.warm_every if args.warm_start else []:
+        warm = [f"sync.every={h}", f"sync.warmup_steps={args.warm_start}", *NESTEROV]
+        add_row(f"SDP C=0.5, H={h}, warm {args.warm_start}, Nesterov", [*LOCAL, *warm])
+        ddp = f"DDP (C=1), H={h}, warm {args.warm_start}, Nesterov"
+        add_row(ddp, ["masker.coverage=1", "sync.mode=local_steps", *warm])
+        BASELINE[ddp] = "DDP (C=1)"
     for lr in args.every_step_lr:
         add_row(f"{EVERY_STEP}, lr {lr:g}", ["masker.coverage=0.5", f"optim.lr={lr:g}"])
     for spec in args.outer:
