@@ -229,7 +229,7 @@ def test_local_steps_match_per_step_sync_update_owners_and_resume(tmp_path):
 
 # ---------------------------------------------------------------------------- sync.warmup_steps
 WARM = ["masker.granularity=neuron", "masker.units_per_layer=4", "masker.coverage=0.75", "optim.name=adamw",
-        "optim.lr=1e-3", "optim.clip_grad_norm=1.0", "train.steps=8", "checkpoint.enabled=true",
+        "optim.lr=1e-3", "optim.clip_grad_norm=1.0", "train.grad_accum=2", "train.steps=8", "checkpoint.enabled=true",
         "checkpoint.every=3", "checkpoint.keep=0"]
 WARM_LOCAL = ["sync.mode=local_steps", "sync.every=2", "sync.warmup_steps=4", "sync.outer_lr=0.7",
               "sync.outer_momentum=0.9"]
@@ -289,8 +289,8 @@ def _warm_worker(rank: int, world: int, init_method: str, cache: str) -> dict:
 
 def test_warmup_steps_synchronise_every_step_then_local_steps_resume_across_the_boundary(tmp_path):
     """``sync.warmup_steps=4``, H = 2, 8 steps, 2 ranks, neuron C = 0.75 (pieces with one and two owners),
-    AdamW with clipping: steps 1-4 are the per-step synchroniser's, bit for bit, with owners identical
-    after each; then owners drift apart between synchronisations (steps 5, 7) and agree at them (6, 8).
+    AdamW with clipping, 2 micro-batches a step: steps 1-4 are the per-step synchroniser's, bit for bit,
+    with owners identical after each; then owners drift apart between synchronisations (steps 5, 7) and agree at them (6, 8).
     The checkpoint of step 3 holds no outer state, step 6's does; resuming from step 3 (crossing the
     boundary) or from step 6 (after it, outer state and all) ends bit-identical to the uninterrupted run."""
     cache = tmp_path / "data"
