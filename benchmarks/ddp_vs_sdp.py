@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.errors import ConfigError
 from subnetdp.parallel.memory import TensorMemoryTracker, live_state_bytes, training_state_tensors
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.core.plan import units_kept
@@ -247,11 +248,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the step whose peak tensor memory is measured (DDP rebuilds its buckets in step 2)")
     parser.add_argument("--coverages", type=float, nargs="+", default=[1.0, 0.75, 0.5],
                         help="subnetdp coverages C to compare with DDP")
-    parser.add_argument("--out", type=Path, default=results_dir() / "ddp_vs_sdp.json",
-                        help="where to write the JSON results")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write the JSON results (default: the results folder's ddp_vs_sdp.json)")
     args = parser.parse_args(argv)
     if args.steps < max(2, args.memory_step) or args.memory_step < 2:
         parser.error("need 2 <= --memory-step <= --steps (after step 1 the optimizer state exists)")
+    try:  # every rank's config, checked once here: a bad combination is one line, not a rank's traceback
+        with warnings.catch_warnings():  # the ranks warn themselves
+            warnings.simplefilter("ignore")
+            tmp = tempfile.gettempdir()
+            load_config(RECIPE, _overrides(args, tmp, "check", os.path.join(tmp, "store")))
+    except ConfigError as e:
+        parser.error(f"{e} (the recipe {RECIPE} with this invocation's options)")
+    args.out = args.out or results_dir() / "ddp_vs_sdp.json"
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
     t_start = time.perf_counter()
     rows = []
