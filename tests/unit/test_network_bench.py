@@ -78,3 +78,20 @@ def test_extra_pairs_stay_out_of_the_sweep_and_are_grouped_by_bucket_rule(tmp_pa
     pairs = rep["rows"]["c1"]["paired_ratio_to_ddp"]
     assert pairs["1gbit, buckets: cap"]["ratios"] == [1.0]  # stored before the field: capped buckets
     assert pairs["1gbit, buckets: reach"]["ratios"] == [0.5]
+
+
+def test_interleaved_c1_against_ddp_pairs_each_step_with_its_own_ddp_step():
+    from benchmarks import c1_vs_ddp
+
+    # Two ranks, 8 steps; C = 1 is 4% slower than DDP in every pair while the machine's speed swings 2x
+    # from step to step: the paired median sees 1.04, the untimed steps (1, 2 and 8) do not count.
+    speed = [9.0, 9.0, 1.0, 2.0, 1.0, 2.0, 1.0, 9.0]
+    rank = {"sdp": [1.04 * s for s in speed], "ddp": speed, "losses": {"sdp": [2.0], "ddp": [2.0]},
+            "load": [[0.5, 0.4, 0.3], [0.7, 0.6, 0.5]]}
+    slow = {**rank, "sdp": [1.04 * s + (0.5 if i == 0 else 0.0) for i, s in enumerate(speed)]}
+    s = c1_vs_ddp.summarise({"run": {}, "ranks": [rank, slow]})
+    assert s["steps"] == 5
+    assert s["median"] == pytest.approx(1.04)
+    assert s["ci95"][0] == pytest.approx(1.04) and s["ci95"][1] == pytest.approx(1.04)
+    assert s["ddp_s"] == pytest.approx(1.0)  # median of 1, 2, 1, 2, 1
+    assert s["load"] == (0.5, 0.7)
