@@ -636,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "wall_s": time.perf_counter() - t0, "load_average_end": os.getloadavg(),
                                        "links": LINKS, "medium": "one shaped loopback shared by all ranks"}}
     texts = []
+    args.docs.mkdir(parents=True, exist_ok=True)  # the plots' folder (a new one for a trial run)
     for task in args.tasks:
         if (out / task).is_dir():
             report[task] = task_report(task, out / task)
