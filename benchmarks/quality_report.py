@@ -249,9 +249,10 @@ def write_report(folder: Path, docs: Path | None = None) -> str:
     runs = load(folder)
     meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").is_file() else {}
     sittings = meta.get("sittings", [])
+    long_horizon = (f"long horizon {meta['long_horizon']} steps, seeds {meta.get('long_seeds')}, row "
+                    f"{meta.get('long_row', 'not chosen yet')}" if meta.get("long_horizon") else "no long horizon")
     body = [f"Results folder `{folder.name}`: task {meta.get('task')}, AdamW lr {meta.get('lr')}, FLOP matching on "
-            f"{meta.get('match_on')} FLOPs, seeds {meta.get('seeds')} (long horizon {meta.get('long_seeds')}, row "
-            f"{meta.get('long_row', 'not chosen yet')}), {len(sittings)} sitting(s), "
+            f"{meta.get('match_on')} FLOPs, seeds {meta.get('seeds')} ({long_horizon}), {len(sittings)} sitting(s), "
             f"{sum(s.get('wall_s', 0.0) for s in sittings) / 3600:.2f} h of wall time."
             + ("" if meta.get("finished", True) else " **Incomplete: the study had not finished when this was"
                                                      " rendered.**"),
