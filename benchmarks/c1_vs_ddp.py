@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import shaped_link  # noqa: E402
 from benchmarks._netrun import _config, set_rate  # noqa: E402
 from benchmarks._results import results_dir  # noqa: E402
-from benchmarks.network import LINKS, SHORT_EVAL  # noqa: E402
+from benchmarks.evidence_tasks import TASKS  # noqa: E402
+from benchmarks.network import CACHE_DIR, LINKS, SHORT_EVAL  # noqa: E402
 from subnetdp.core.hookspecs import hookimpl  # noqa: E402
 
 STEPS = {"resnet18": {"10gbit": 24, "1gbit": 20, "100mbit": 10}, "llama8": {"10gbit": 24, "1gbit": 24, "100mbit": 16}}
@@ -150,8 +151,11 @@ def _rank(rank: int, spec: dict[str, Any], tmp: str, out_dir: str) -> None:
                         break
                     time.sleep(0.1)
                 ranks.append(json.loads(path.read_text()))
-            done.write_text(json.dumps({"run": cfg_spec, "ranks": ranks}))
-            print(f"  {run['name']}: {summarise(json.loads(done.read_text()))['median']:.3f}", flush=True)
+            record = {"run": cfg_spec, "ranks": ranks}
+            part = done.with_suffix(".part")  # a kept result is whole: written aside, then renamed
+            part.write_text(json.dumps(record))
+            part.rename(done)
+            print(f"  {run['name']}: {summarise(record)['median']:.3f}", flush=True)
 
 
 def inner(spec_path: str, out_dir: str) -> int:
@@ -220,17 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"c1_vs_ddp: {why}", file=sys.stderr)
             return 2
         os.environ["OMP_NUM_THREADS"] = "1"
-        cache = str(Path(tempfile.gettempdir()) / "subnetdp-network-cache")  # network.py's: llama8's corpus
         out.mkdir(parents=True, exist_ok=True)
         for task in args.tasks:
-            from benchmarks.evidence_tasks import TASKS
-
             runs = [{"name": f"{task}-{link}", "rate": link, "steps": args.steps or STEPS[task][link], "eval_every": 0,
                      "overrides": ["masker.coverage=1", *SHORT_EVAL[task]]}
                     for link in args.links if not (out / f"{task}-{link}.json").exists()]
             if not runs:
                 continue
-            spec = {"task": task, "world_size": TASKS[task].world_size, "seed": args.seed, "cache_dir": cache,
+            spec = {"task": task, "world_size": TASKS[task].world_size, "seed": args.seed, "cache_dir": str(CACHE_DIR),
                     "runs": runs}
             spec_path = out / f"spec-{task}.json"
             spec_path.write_text(json.dumps(spec, indent=1))

@@ -59,6 +59,7 @@ from benchmarks.evidence_tasks import TASKS  # noqa: E402
 from benchmarks._results import results_dir  # noqa: E402
 
 LINKS = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 1e8}
+CACHE_DIR = Path(tempfile.gettempdir()) / "subnetdp-network-cache"  # llama8's BPE corpus, built once
 CURVE_LINK = "10gbit"
 H = 16
 ROWS: dict[str, tuple[str, str, list[str]]] = {  # key: (label, kind, overrides)
@@ -605,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or results_dir() / "network"
     args.curve_rows = CURVE_ROWS if args.curve_rows is None else {t: args.curve_rows for t in TASKS}
-    args.cache = str(Path(tempfile.gettempdir()) / "subnetdp-network-cache")  # llama8's BPE corpus, built once
+    args.cache = str(CACHE_DIR)
     t0 = time.perf_counter()
     if not args.report:
         why = shaped_link.missing_requirement()
