@@ -162,11 +162,14 @@ def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: u
 
     Parameters: each piece once, from the file the index names (every owner held the same values).
     Buffers: float ones averaged over the owners' copies (summed in rank order, then divided, as the
-    in-run all-reduce does), integer ones from ``min(owners)``; shared buffers over all ranks.
+    in-run all-reduce does), integer ones from ``min(owners)``; shared buffers over all ranks. A
+    checkpoint assembled from the survivors of a lost worker has no files of the dead ranks
+    (``absent_ranks``): their buffers are left out, as a resume does.
     """
     target = dict(model.named_parameters())
     target.update(dict(model.named_buffers()))
-    world = tuple(range(plan.world_size))
+    absent = set(reader.manifest.get("absent_ranks", ()))
+    world = tuple(r for r in range(plan.world_size) if r not in absent)
 
     def dst_of(s: Any) -> torch.Tensor:
         return target[s.name] if s.dim is None else target[s.name].narrow(s.dim, s.start, s.stop - s.start)
@@ -178,7 +181,7 @@ def fill_union(model: nn.Module, partition: Partition, plan: MaskPlan, reader: u
         for s in unit.slices:
             reader.read_into(units.piece_key(s.name, s.dim, s.start, s.stop), dst_of(s))
         for s in unit.buffers:
-            fill_buffer(s, plan.owners(unit.id))
+            fill_buffer(s, tuple(r for r in plan.owners(unit.id) if r not in absent))
     for name in partition.shared:
         reader.read_into(name, target[name])
     for name in partition.shared_buffers:

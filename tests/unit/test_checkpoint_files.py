@@ -62,8 +62,8 @@ def _resume_error(path: Path, *overrides: str) -> str:
 
 def test_layout_manifest_and_retention(runs):
     a = runs / "a" / "checkpoints"
-    assert sorted(p.name for p in a.iterdir()) == ["step_00000001", "step_00000002"]
-    assert [p.name for p in (runs / "b" / "checkpoints").iterdir()] == ["step_00000001"]  # every=0: at the end
+    assert sorted(p.name for p in a.iterdir()) == ["LINEAGE.json", "step_00000001", "step_00000002"]
+    assert sorted(p.name for p in (runs / "b" / "checkpoints").iterdir()) == ["LINEAGE.json", "step_00000001"]  # every=0: at the end
     files = sorted(p.name for p in (a / "step_00000002").iterdir())
     assert files == ["MANIFEST.json", "config.yaml", "pieces_0.safetensors", "plan.json", "rank_0.safetensors",
                      "rank_0.state.pt"]

@@ -29,12 +29,12 @@ def test_kill_while_pruning_leaves_no_half_checkpoint_and_the_leftover_is_cleane
     assert killed.returncode == -9 and ck.fault_marker(run, ck.KILL_IN_PRUNE, 1, 0).exists(), killed.stderr[-2000:]
     names = sorted(p.name for p in ck.checkpoints_dir(run).iterdir())
     # The victim was renamed before any file went: no step_* directory lacks its manifest.
-    assert names == ["step_00000001.deleting", "step_00000002"], names
+    assert names == ["LINEAGE.json", "step_00000001.deleting", "step_00000002"], names
     assert all((ck.checkpoints_dir(run) / n / ck.MANIFEST).is_file() for n in names if ck.STEP_DIR.match(n))
     resumed = subprocess.run([*CLI, f"run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {ck.step_dir(run, 2)} (step 2)" in resumed.stdout
-    assert sorted(p.name for p in ck.checkpoints_dir(run).iterdir()) == ["step_00000003"]
+    assert sorted(p.name for p in ck.checkpoints_dir(run).iterdir()) == ["LINEAGE.json", "step_00000003"]
 
 
 def _host_rng(tmp_path: Path, name: str, seed: int) -> dict:

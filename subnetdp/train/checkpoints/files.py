@@ -54,6 +54,7 @@ KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside 
 KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
 KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
 KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
+NO_SPACE_IN_ASSEMBLY = "SUBNETDP_TEST_NO_SPACE_IN_ASSEMBLY"  # test-only: ENOSPC while building a recovered step
 
 
 # --------------------------------------------------------------------------- layout
@@ -360,6 +361,12 @@ class TensorFile:
 
     def keys(self) -> set[str]:
         return set(self._keys)
+
+    def shape(self, key: str) -> list[int]:
+        """Tensor ``key``'s shape, from the file's header (nothing is read)."""
+        if key not in self._keys:
+            self.get(key)  # raises, naming the file
+        return list(self._f.get_slice(key).get_shape())
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self._keys:

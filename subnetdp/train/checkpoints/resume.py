@@ -42,7 +42,7 @@ from subnetdp.core.contracts import RunContext
 from subnetdp.core.errors import CheckpointError, ConfigError, PeerLost, SubnetdpError
 from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.train.checkpoints import survivors, units
+from subnetdp.train.checkpoints import lineage, survivors, units
 from subnetdp.train.checkpoints.source import CheckpointPieces, extra_by_prefix, local_names, rng_state
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ class Checkpointer:
         self.ctx, self.state, self.loader = ctx, state, loader
         self.cfg, self.comm, self.rank = ctx.cfg, ctx.comm, ctx.rank
         self.run_id = ""
+        self.lineage: list[dict[str, Any]] = []
         self.last_saved: Path | None = None
         self._boundary: tuple[int, Any, Any, dict[str, torch.Tensor]] | None = None
         self._persistent: tuple[Any, set[str]] = (None, set())
@@ -169,7 +170,8 @@ class Checkpointer:
         """What a manifest says besides its files and pieces (a survivor's fragment carries it too)."""
         ctx, state, cfg = self.ctx, self.state, self.cfg
         plan, partition, spec = state.plan, state.partition, ctx.spec
-        return {"format": ck.FORMAT, "run_id": self.run_id, "step": step, "world_size": self.comm.world_size,
+        return {"format": ck.FORMAT, "run_id": self.run_id, "lineage": self.lineage, "step": step,
+                "world_size": self.comm.world_size,
                 "plan_digest": plan.digest(), "fsdp_shard_size": int(cfg.fsdp.shard_size),
                 "partition_digest": units.partition_digest(partition),
                 "partition": {"granularity": partition.granularity, "units": len(partition.units),
@@ -256,7 +258,7 @@ class Checkpointer:
         else:  # failed before its update: the state is the last finished step's, but for what the forward moved
             step, position, snapshot = boundary[0], boundary[1:3], boundary[3]
         try:
-            path = self._write_fragment(step, position, snapshot)
+            path = self._write_fragment(step, position, snapshot, set(error.lost))
         except (OSError, SubnetdpError) as e:
             return PeerLost(f"{error}; it could not keep its units ({e}), so the run resumes from its newest "
                             "checkpoint", error.lost)
@@ -264,7 +266,12 @@ class Checkpointer:
 
     @torch.no_grad()
     def _write_fragment(self, step: int, position: tuple[Any, Any] | None,
-                        snapshot: dict[str, torch.Tensor] | None) -> Path:
+                        snapshot: dict[str, torch.Tensor] | None, lost: set[int]) -> Path:
+        """This rank's fragment of ``step``: of every piece it owns, those no lower-ranked owner outside
+        ``lost`` (the ranks this rank knows to be dead) writes, so each surviving unit is written about
+        once, with no collective to agree who writes (a co-owner that died unnoticed costs that unit's
+        recovery: the run falls back to its newest checkpoint). When no dead rank is known (the store
+        went with the job), or under local steps (owners' copies differ), every piece it owns. Its buffers, state, plan and config in any case."""
         state, ctx = self.state, self.ctx
         plan, partition, sync, model = state.plan, state.partition, state.synchronizer, state.model
         if snapshot is not None:  # the buffers as the step ended, not as the next step's forward left them
@@ -274,15 +281,17 @@ class Checkpointer:
         tmp = survivors.fragment_tmp(ctx.run_dir, step, self.rank)
         optim_state = dict(zip(self._local_names(), state.parallel.optimizer_state_full(state.optimizer)))
         index = LocalIndex(model, state.pmap)
-        # Every piece it owns, not only those it writes in a regular checkpoint: another owner may be dead.
+        # Not the pieces it writes in a regular checkpoint: their writer may be the dead rank.
+        held = {units.item_key(it) for it in global_items(partition, plan) if self.rank in it.owners
+                and (sync.owners_diverge or not lost or self.rank == min(set(it.owners) - lost))}
         pieces = units.pieces_to_write(self.rank, partition, plan, index, extra_by_prefix(state), optim_state,
                                        per_owner=True)
+        pieces = {k: v for k, v in pieces.items() if k.split("/", 1)[-1] in held}
         buffers = units.buffers_to_write(self.rank, partition, plan, index)
         files = self._write_rank_files(tmp, step, pieces, buffers, position)
         files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
         files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
-        held = [units.item_key(it) for it in global_items(partition, plan) if self.rank in it.owners]
-        return survivors.write_fragment(ctx.run_dir, self._header(step), self.rank, files, held,
+        return survivors.write_fragment(ctx.run_dir, self._header(step), self.rank, files, sorted(held),
                                         units.piece_index(partition, plan, sync.owners_diverge))
 
     # ------------------------------------------------------------------ resuming
@@ -290,48 +299,105 @@ class Checkpointer:
         """Resume per ``cfg.resume`` (``never``, ``auto``, a path); returns the step to continue after.
 
         Resuming re-plans the state from the checkpoint (:class:`~subnetdp.train.checkpoints.source.CheckpointPieces`),
-        on the run's own plan. Collective: rank 0 chooses the checkpoint and the run id, every rank
-        loads its own pieces, and any rank's failure stops every rank with that rank's message.
+        on the run's own plan. Collective: rank 0 chooses the checkpoint, the run id and the lineage,
+        every rank loads its own pieces, and any rank's failure stops every rank with that rank's
+        message, except when the checkpoint was assembled from survivors' files: then rank 0 sets
+        it and its fragments aside and every rank tries the next choice (the fragments were removed
+        only once an assembled checkpoint has loaded, so nothing is lost by trying).
         """
-        choice: dict[str, Any] = {"path": None, "run_id": uuid.uuid4().hex, "error": None}
-        if self.rank == 0:
+        while True:
+            choice: dict[str, Any] = {"path": None, "run_id": uuid.uuid4().hex, "lineage": [lineage.new_entry(0)],
+                                      "assembled": False, "error": None}
+            if self.rank == 0:
+                try:
+                    choice.update(self._choose())
+                except SubnetdpError as e:
+                    choice["error"] = str(e)
+            choice = self.comm.all_gather_object(choice)[0]  # collective: rank 0's choice wins
+            if choice["error"]:
+                raise CheckpointError(choice["error"])
+            self.run_id, self.lineage = choice["run_id"], choice["lineage"]
+            if choice["path"] is None:
+                return 0
+            source, error = CheckpointPieces(Path(choice["path"]), self.loader), None
             try:
-                ck.checkpoints_dir(self.ctx.run_dir)  # a link there is refused before any step is trained
-                path = self._choose()
-                if path is not None:
-                    choice.update(path=str(path), run_id=ck.read_manifest(path)["run_id"])
+                self.state.replan(self.state.plan, source)
             except SubnetdpError as e:
-                choice["error"] = str(e)
-        choice = self.comm.all_gather_object(choice)[0]  # collective: rank 0's choice wins
-        if choice["error"]:
-            raise CheckpointError(choice["error"])
-        self.run_id = choice["run_id"]
-        if choice["path"] is None:
-            return 0
-        source, error = CheckpointPieces(Path(choice["path"]), self.loader), None
-        try:
-            self.state.replan(self.state.plan, source)
-        except SubnetdpError as e:
-            error = f"rank {self.rank}: {e}"
-        errors = [e for e in self.comm.all_gather_object(error) if e]  # collective: all load or none goes on
-        if errors:
-            raise CheckpointError("; ".join(errors))
+                error = f"rank {self.rank}: {e}"
+            errors = [e for e in self.comm.all_gather_object(error) if e]  # collective: all load or none goes on
+            if errors and choice["assembled"]:
+                if self.rank == 0:
+                    self._set_aside_assembled(Path(choice["path"]), "; ".join(errors))
+                continue  # collective: every rank chooses again, as rank 0 now does
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            break
         if self.rank == 0:
+            if choice["assembled"]:  # it loaded: the survivors' files it came from are of no more use
+                survivors.prune_superseded(self.ctx.run_dir)
             how = " on a new plan (re-planned: each rank loaded its new units)" if source.replanned else ""
             print(f"resumed from {choice['path']} (step {self.state.step}){how}", flush=True)
         return self.state.step
 
-    def _choose(self) -> Path | None:
-        resume = str(self.cfg.resume)
-        if resume == "never":
-            return None
+    def _set_aside_assembled(self, path: Path, why: str) -> None:
+        step = int(ck.STEP_DIR.match(path.name).group(1))
+        frags = [f.path for f in survivors.read_fragments(self.ctx.run_dir, []) if f.step == step]
+        dest = survivors.set_aside(self.ctx.run_dir, [path, *frags], f"step_{step:08d}-did-not-load")
+        print(f"subnetdp: the step recovered from the survivors did not load ({why}); it and its files are set "
+              f"aside in {dest}; choosing again", flush=True)
+
+    def _expected(self, current: dict[str, Any] | None) -> survivors.Expected:
+        partition = self.state.partition
+        return survivors.Expected(current, OmegaConf.to_container(self.cfg.model, resolve=True), partition,
+                                  {u.id: u.name for u in partition.units})
+
+    def _choose(self) -> dict[str, Any]:
+        """Rank 0: the checkpoint to load (None: start), its run id and lineage, whether it was
+        assembled; records the lineage in the run directory and sets aside survivors' files of others."""
+        run_dir, resume = self.ctx.run_dir, str(self.cfg.resume)
+        ck.checkpoints_dir(run_dir)  # a link there is refused before any step is trained
+        survivors.survivors_dir(run_dir)  # so is one there
+        survivors.clean_leftovers(run_dir)
+        out: dict[str, Any] = {}
         if resume == "auto":
-            names = {u.id: u.name for u in self.state.partition.units}
-            done = survivors.assemble(self.ctx.run_dir, names)  # a lost worker's survivors wrote their units
+            current = lineage.read(run_dir)
+            path = self._newest_of(current)
+            done = survivors.assemble(run_dir, self._expected(current), path)
             if done is not None:
+                for line in done.skipped:
+                    print(f"subnetdp: {line}", flush=True)
                 print(f"subnetdp: {done.message}", flush=True)
-            return ck.latest_checkpoint(self.ctx.run_dir)
-        return ck.resolve_checkpoint(Path(resume))
+                if done.checkpoint is not None:
+                    path, out["assembled"] = done.checkpoint, True
+            if path is not None:
+                manifest = ck.read_manifest(path)
+                out.update(path=str(path), run_id=manifest["run_id"],
+                           lineage=(current or {}).get("lineage") or manifest.get("lineage") or [lineage.new_entry(0)])
+        elif resume != "never":
+            path = ck.resolve_checkpoint(Path(resume))
+            manifest = ck.read_manifest(path)
+            # An explicit resume starts a new lineage: survivors' files of the state it leaves are not its past.
+            out.update(path=str(path), run_id=manifest["run_id"],
+                       lineage=[*manifest.get("lineage", []), lineage.new_entry(int(manifest["step"]))])
+        run_id = out.get("run_id", uuid.uuid4().hex)
+        chain = out.get("lineage", [lineage.new_entry(0)])
+        out.update(run_id=run_id, lineage=chain)
+        moved, n = survivors.set_aside_fragments(run_dir, self._expected({"run_id": run_id, "lineage": chain}))
+        if moved is not None:
+            print(f"subnetdp: set aside {n} survivors' file(s) of another run or of a branch this run does not "
+                  f"continue (resume={resume}) in {moved}", flush=True)
+        lineage.write(run_dir, run_id, chain)
+        return out
+
+    def _newest_of(self, current: dict[str, Any] | None) -> Path | None:
+        """The newest complete checkpoint of the run and lineage ``current`` (any, when None); newer ones
+        of another run or of a left branch are named, one line each."""
+        for path in reversed(ck.complete_checkpoints(self.ctx.run_dir)):
+            problem = lineage.descends(current, ck.read_manifest(path))
+            if problem is None:
+                return path
+            print(f"subnetdp: not resuming from {path}: {problem}", flush=True)
+        return None
 
 
 def check_resume_source(cfg: Any) -> None:
@@ -346,7 +412,10 @@ def check_resume_source(cfg: Any) -> None:
     if resume == "never":
         return
     if resume == "auto":
-        path = ck.latest_checkpoint(Path(str(cfg.run.dir)) / str(cfg.run.name)) if cfg.run.name else None
+        run_dir = Path(str(cfg.run.dir)) / str(cfg.run.name)
+        if cfg.run.name:
+            survivors.survivors_dir(run_dir)  # a link there is refused before any process group exists
+        path = ck.latest_checkpoint(run_dir) if cfg.run.name else None
     else:
         path = ck.resolve_checkpoint(Path(resume))
     if path is not None:

@@ -40,5 +40,7 @@ MANIFEST = Record(
               "partition": Record({}, optional={"granularity": Str(), "units": Int(0), "units_per_layer": Int(0)}),
               "reference": Nullable(MapOf(Str(), Anything())),
               # a checkpoint assembled from the survivors' files: the ranks that wrote none, and those that did
-              "absent_ranks": ListOf(Int(0)), "recovered_from": ListOf(Int(0))},
+              "absent_ranks": ListOf(Int(0)), "recovered_from": ListOf(Int(0)),
+              # the history of the state: the run's start and every explicit resume (checkpoints.lineage)
+              "lineage": ListOf(Record({"id": Str(), "from_step": Int(0)}))},
 )

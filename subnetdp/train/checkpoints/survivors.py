@@ -24,22 +24,30 @@ checkpoint supersedes them.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from subnetdp.core import records
+from subnetdp.core.contracts import Partition
 from subnetdp.core.errors import CheckpointError
 from subnetdp.core.records import Int, ListOf, MapOf, Record, Str
+from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.pieces import global_items
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.train.checkpoints import schema
+from subnetdp.train.checkpoints import lineage, schema, units
+from subnetdp.train.checkpoints.source import read_plan
 
 FRAGMENT = "FRAGMENT.json"
 SURVIVORS = "survivors"
+SET_ASIDE = "set-aside"
 FRAGMENT_DIR = re.compile(r"^step_(\d{8})\.rank_(\d+)$")
 
 #: A fragment's record: the header a manifest would carry (without ``files`` and ``pieces``), the
@@ -50,7 +58,30 @@ FRAGMENT_RECORD = Record(
 
 
 def survivors_dir(run_dir: Path) -> Path:
-    return ck.checkpoints_dir(run_dir) / SURVIVORS
+    """``RUN_DIR/checkpoints/survivors``; a symbolic link there is refused (it would write into another tree)."""
+    path = ck.checkpoints_dir(run_dir) / SURVIVORS
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: is a symbolic link (to {os.readlink(path)}): a run's survivors' files are "
+                              "written and read inside its own directory only — replace the link with a folder, "
+                              "or use another run.name")
+    return path
+
+
+def set_aside_dir(run_dir: Path) -> Path:
+    """Where files this run will not continue from are moved (never deleted: they may be someone's work)."""
+    return ck.checkpoints_dir(run_dir) / SET_ASIDE
+
+
+def set_aside(run_dir: Path, paths: list[Path], why: str) -> Path | None:
+    """Move ``paths`` (fragments, an assembled step) into a fresh folder of :func:`set_aside_dir`."""
+    paths = [p for p in paths if p.exists() or p.is_symlink()]
+    if not paths:
+        return None
+    dest = set_aside_dir(run_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-{why}"
+    dest.mkdir(parents=True)
+    for p in paths:
+        os.replace(p, dest / p.name)
+    return dest
 
 
 def fragment_dir(run_dir: Path, step: int, rank: int) -> Path:
@@ -67,8 +98,8 @@ def write_fragment(run_dir: Path, header: dict[str, Any], rank: int, files: dict
     record = {"header": header, "rank": rank, "files": dict(sorted(files.items())), "held": sorted(held),
               "index": index}
     ck.write_text_atomic(tmp / FRAGMENT, json.dumps(record, indent=1))
-    if final.exists():
-        shutil.rmtree(final, ignore_errors=True)
+    if final.exists() or final.is_symlink():
+        ck.remove_checkpoint(final)
     os.replace(tmp, final)
     return final
 
@@ -94,56 +125,86 @@ class Fragment:
         return self.record["header"]
 
 
-def read_fragments(run_dir: Path) -> list[Fragment]:
-    """Every finished fragment of the run (a record, a real directory); damaged ones are named."""
+def read_fragments(run_dir: Path, skipped: list[str] | None = None) -> list[Fragment]:
+    """Every finished fragment of the run (a record, a real directory). A damaged one is left out and
+    named, one line each, in ``skipped`` (raised when ``skipped`` is None)."""
     root = survivors_dir(run_dir)
-    if not root.is_dir() or root.is_symlink():
+    if not root.is_dir():
         return []
     out = []
     for d in sorted(root.iterdir()):
         m = FRAGMENT_DIR.match(d.name)
-        if not m or d.is_symlink() or not d.is_dir() or not (d / FRAGMENT).is_file():
+        if not m or d.is_symlink() or not d.is_dir() or not (d / FRAGMENT).exists():
             continue
-        path = d / FRAGMENT
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e}): a survivor's record is corrupted; remove "
-                                  f"{d} to resume from the newest complete checkpoint") from None
-        records.check(FRAGMENT_RECORD, record, path, "a survivor's record is damaged")
-        header = record["header"]
-        if int(header.get("step", -1)) != int(m.group(1)) or record["rank"] != int(m.group(2)):
-            raise CheckpointError(f"{path}: records step {header.get('step')} rank {record['rank']}, its folder "
-                                  f"says step {int(m.group(1))} rank {int(m.group(2))}: remove {d}")
-        out.append(Fragment(d, record["rank"], int(m.group(1)), record))
+            out.append(_read_fragment(d, int(m.group(1)), int(m.group(2))))
+        except CheckpointError as e:
+            if skipped is None:
+                raise
+            skipped.append(str(e))
     return out
+
+
+def _read_fragment(d: Path, step: int, rank: int) -> Fragment:
+    path = d / FRAGMENT
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: is a symbolic link (to {os.readlink(path)}): a survivor's record is read "
+                              f"from its own folder only; {d} is skipped")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}): a survivor's record is corrupted; "
+                              f"{d} is skipped") from None
+    records.check(FRAGMENT_RECORD, record, path, f"a survivor's record is damaged; {d} is skipped")
+    header = record["header"]
+    if header.get("step") != step or record["rank"] != rank:
+        raise CheckpointError(f"{path}: records step {header.get('step')} rank {record['rank']}, its folder "
+                              f"says step {step} rank {rank}: {d} is skipped")
+    return Fragment(d, rank, step, record)
 
 
 @dataclass(frozen=True)
 class Assembly:
-    """What :func:`assemble` did: the checkpoint it made (or None) and one line saying why."""
+    """What :func:`assemble` did: the checkpoint it made (or None), one line saying why, and one line
+    per fragment or step it skipped."""
 
     checkpoint: Path | None
     message: str
+    skipped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What this run's fragments must be: its run id and lineage (None: any), model and partition."""
+
+    current: dict[str, Any] | None
+    model: dict[str, Any]
+    partition: Partition
+    names: dict[int, str] = field(default_factory=dict)
 
 
 def _units_missing(index: dict[str, dict[str, Any]], held: set[str]) -> list[int | None]:
-    """The units (None: shared tensors) of which some piece has no holder, in order."""
+    """The units (None: shared tensors, last) of which some piece has no holder, in order."""
     lost = {e.get("unit") for k, e in index.items() if k not in held}
-    return sorted(lost, key=lambda u: (u is not None, u or 0))
+    return sorted(lost, key=lambda u: (u is None, u or 0))
 
 
-def assemble(run_dir: Path, names: dict[int, str] | None = None) -> Assembly | None:
-    """Make the newest complete step of the survivors' fragments a regular checkpoint.
+def assemble(run_dir: Path, expected: Expected, newest: Path | None) -> Assembly | None:
+    """Make the newest complete, valid step of the survivors' fragments a regular checkpoint.
 
-    Returns None when there are no fragments newer than the newest complete checkpoint; otherwise
-    what was done, in one line (``names``: unit id -> name, for the message). Runs on one rank
-    (rank 0 of the restarted world) before any rank chooses its checkpoint.
+    Returns None when there are no fragments newer than ``newest`` (the newest complete checkpoint
+    of the run's lineage); otherwise
+    what was done, in one line, and a line per skipped fragment or step. Every fragment is checked
+    before anything is built (:func:`check_fragment`); a step with a bad fragment, or one whose
+    files cannot be built (a full disk), is skipped and the next older one tried, down to the
+    newest complete checkpoint. The fragments stay: the caller removes them once the assembled
+    checkpoint has loaded (:func:`prune_superseded`). Runs on one rank (rank 0 of the restarted
+    world) before any rank chooses its checkpoint.
     """
-    newest = ck.latest_checkpoint(run_dir)
     newest_step = int(ck.STEP_DIR.match(newest.name).group(1)) if newest is not None else -1
-    frags = [f for f in read_fragments(run_dir) if f.step > newest_step]
-    if not frags:
+    skipped: list[str] = []
+    frags = [f for f in read_fragments(run_dir, skipped) if f.step > newest_step]
+    if not frags and not skipped:
         return None
     fallback = f"the newest complete checkpoint, {newest}" if newest is not None else "the start (no checkpoint)"
     by_step: dict[int, list[Fragment]] = {}
@@ -152,67 +213,83 @@ def assemble(run_dir: Path, names: dict[int, str] | None = None) -> Assembly | N
     reasons = []
     for step in sorted(by_step, reverse=True):
         group = by_step[step]
-        run_ids = {f.header.get("run_id") for f in group}
-        digests = {f.header.get("plan_digest") for f in group}
-        if len(run_ids) > 1 or len(digests) > 1:
+        bad = [p for p in (check_fragment(f, expected) for f in group) if p]
+        if bad:
+            skipped.extend(f"step {step} skipped: {p}" for p in bad)
+            reasons.append(f"step {step}: a damaged or foreign fragment")
+            continue
+        if len({json.dumps(f.header, sort_keys=True) for f in group}) > 1:
+            skipped.append(f"step {step} skipped: its fragments' headers differ ({[str(f.path) for f in group]})")
             reasons.append(f"step {step}: fragments of different runs or plans")
             continue
         index = group[0].record["index"]
         held = set().union(*(set(f.record["held"]) for f in group))
         missing = _units_missing(index, held)
         if missing:
-            shown = ["shared tensors" if u is None else (names or {}).get(u, f"unit {u}") for u in missing]
+            shown = ["shared tensors" if u is None else expected.names.get(u, f"unit {u}") for u in missing]
             ranks = sorted(f.rank for f in group)
             reasons.append(f"step {step} (from ranks {ranks}) lacks {', '.join(shown[:8])}"
                            + (f" and {len(shown) - 8} more" if len(shown) > 8 else "") + " (no surviving owner)")
             continue
-        path = _build(run_dir, step, group, index)
-        for f in frags:  # superseded: the assembled step holds everything they could give
-            shutil.rmtree(f.path, ignore_errors=True)
+        try:
+            path = _build(run_dir, step, group, index)
+        except OSError as e:  # a full disk: the newest complete checkpoint needs no writes
+            skipped.append(f"step {step} skipped: building {ck.step_dir(run_dir, step)} failed ({e})")
+            reasons.append(f"step {step}: no room to build it")
+            continue
         dead = sorted(set(range(int(group[0].header["world_size"]))) - {f.rank for f in group})
         return Assembly(path, f"recovered step {step} from the surviving owners (ranks "
-                        f"{sorted(f.rank for f in group)}; lost: {dead}) into {path}")
-    return Assembly(None, f"the survivors' files cannot make a whole step: {'; '.join(reasons)}; resuming "
-                    f"from {fallback}")
+                        f"{sorted(f.rank for f in group)}; lost: {dead}) into {path}", tuple(skipped))
+    why = "; ".join(reasons) if reasons else "no fragment is usable"
+    return Assembly(None, f"the survivors' files cannot make a whole step: {why}; resuming from {fallback}",
+                    tuple(skipped))
 
 
 def _link(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
-    except OSError:  # another file system: a copy
-        shutil.copy2(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:  # a full disk, a read-only one: no copy would do better
+            raise
+        shutil.copy2(src, dst)  # another file system: a copy
 
 
 def _build(run_dir: Path, step: int, group: list[Fragment], index: dict[str, dict[str, Any]]) -> Path:
     """``checkpoints/step_{step}``: the fragments' files, one index naming each piece's lowest
-    surviving holder, the first fragment's plan and config, ``absent_ranks`` for the dead."""
+    surviving holder, the first fragment's plan and config, ``absent_ranks`` for the dead. On an
+    error the temporary directory is removed, so a full disk is left as it was found."""
     final = ck.step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists() or tmp.is_symlink():
         ck.remove_checkpoint(tmp)
-    tmp.mkdir(parents=True)
-    files: dict[str, Any] = {}
-    holders: dict[str, list[int]] = {}
-    for f in sorted(group, key=lambda f: f.rank):
-        for name, entry in f.record["files"].items():
-            if name in ("plan.json", "config.yaml") and name in files:
-                continue
-            ck.check_size(f.path, name, {"files": f.record["files"], "world_size": f.header["world_size"]})
-            _link(f.path / name, tmp / name)
-            files[name] = entry
-        for key in f.record["held"]:
-            holders.setdefault(key, []).append(f.rank)
-    pieces = {}
-    for key, entry in index.items():
-        w = min(holders[key])
-        pieces[key] = {**{k: v for k, v in entry.items() if k != "copies"}, "file": ck.pieces_file(w), "writer": w}
-        if "copies" in entry:  # owners' copies differ (local steps): every survivor's own
-            pieces[key]["copies"] = {str(r): ck.pieces_file(r) for r in holders[key]}
-    present = sorted(f.rank for f in group)
-    absent = sorted(set(range(int(group[0].header["world_size"]))) - set(present))
-    manifest = {**group[0].header, "files": dict(sorted(files.items())), "pieces": pieces,
-                "absent_ranks": absent, "recovered_from": present}
-    ck.finish_directory(tmp, final, manifest)
+    try:
+        tmp.mkdir(parents=True)
+        files: dict[str, Any] = {}
+        holders: dict[str, list[int]] = {}
+        for f in sorted(group, key=lambda f: f.rank):
+            for name, entry in f.record["files"].items():
+                if name in ("plan.json", "config.yaml") and name in files:
+                    continue
+                _link(f.path / name, tmp / name)
+                files[name] = entry
+                if os.environ.get(ck.NO_SPACE_IN_ASSEMBLY) == str(step):  # test-only: a full disk
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / name))
+            for key in f.record["held"]:
+                holders.setdefault(key, []).append(f.rank)
+        pieces = {}
+        for key, entry in index.items():
+            w = min(holders[key])
+            pieces[key] = {**{k: v for k, v in entry.items() if k != "copies"}, "file": ck.pieces_file(w), "writer": w}
+            if "copies" in entry:  # owners' copies differ (local steps): every survivor's own
+                pieces[key]["copies"] = {str(r): ck.pieces_file(r) for r in holders[key]}
+        present = sorted(f.rank for f in group)
+        absent = sorted(set(range(int(group[0].header["world_size"]))) - set(present))
+        manifest = {**group[0].header, "files": dict(sorted(files.items())), "pieces": pieces,
+                    "absent_ranks": absent, "recovered_from": present}
+        ck.finish_directory(tmp, final, manifest)
+    except OSError:
+        ck.remove_checkpoint(tmp)
+        raise
     return final
 
 
@@ -227,3 +304,105 @@ def prune_superseded(run_dir: Path) -> None:
         m = re.match(r"^step_(\d{8})\.rank_\d+(\.tmp)?$", d.name)
         if m and int(m.group(1)) <= newest_step and not d.is_symlink():
             shutil.rmtree(d, ignore_errors=True)
+
+
+def clean_leftovers(run_dir: Path) -> None:
+    """Remove what interrupted writes left (``step_*.tmp`` of checkpoints and of fragments): nothing
+    writes there while a new world starts, and a full disk must not stay full of them."""
+    root = ck.checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return
+    found = [d for d in root.glob("step_*.tmp")]
+    frags = survivors_dir(run_dir)
+    if frags.is_dir():
+        found += [d for d in frags.iterdir() if d.name.endswith(".tmp")]
+    for d in found:
+        ck.remove_checkpoint(d)
+
+
+def set_aside_fragments(run_dir: Path, expected: Expected) -> tuple[Path | None, int]:
+    """Move every fragment that is not of ``expected``'s run and lineage aside (an explicit resume
+    starts a new lineage: the states they hold are not its past). Returns the folder and how many."""
+    root = survivors_dir(run_dir)
+    if not root.is_dir():
+        return None, 0
+    skipped: list[str] = []
+    foreign = [f.path for f in read_fragments(run_dir, skipped) if lineage.descends(expected.current, f.header)]
+    return set_aside(run_dir, foreign, "survivors-of-another-lineage"), len(foreign)
+
+
+def check_fragment(f: Fragment, expected: Expected) -> str | None:
+    """Why fragment ``f`` cannot be assembled for this run, in one line naming the file, or None.
+
+    Its run id and lineage, model and partition, its plan against the plan's units (every piece's
+    shape and unit, every held piece one the rank owns), every file's size and checksum, and each
+    tensor file's metadata, keys and shapes. Reading headers and checksums only: nothing is loaded.
+    """
+    header, where = f.header, f.path / FRAGMENT
+    problem = lineage.descends(expected.current, header)
+    if problem:
+        return f"{where}: {problem}"
+    if header.get("model") != expected.model:
+        return f"{where}: written for model {header.get('model')}, this run trains {expected.model}"
+    if header.get("partition_digest") != units.partition_digest(expected.partition):
+        return f"{where}: written for another partition of the model into units"
+    manifest = {**header, "files": f.record["files"]}
+    try:
+        for name in f.record["files"]:
+            ck.verify_file(f.path, name, manifest)
+        for name in (ck.pieces_file(f.rank), *ck.rank_files(f.rank), "plan.json", "config.yaml"):
+            if name not in f.record["files"] and name != ck.pieces_file(f.rank):
+                return f"{f.path / name}: missing from the survivor's record"
+        plan = read_plan(f.path, manifest)
+        problem = _check_index(f, plan, expected.partition)
+        if problem:
+            return problem
+        _check_tensors(f, manifest, plan, expected.partition)
+        state = ck.read_state(f.path / ck.rank_files(f.rank)[1])
+    except CheckpointError as e:
+        return str(e)
+    if state.get("step") != f.step or state.get("rank") != f.rank or state.get("run_id") != header.get("run_id"):
+        return (f"{f.path / ck.rank_files(f.rank)[1]}: holds step {state.get('step')} rank {state.get('rank')}, "
+                f"its record says step {f.step} rank {f.rank}")
+    return None
+
+
+def _check_index(f: Fragment, plan: MaskPlan, partition: Partition) -> str | None:
+    """The fragment's index against the plan's units: the same pieces, shapes and units; held pieces owned."""
+    where = f.path / FRAGMENT
+    items = {units.item_key(it): it for it in global_items(partition, plan)}
+    index = f.record["index"]
+    if set(index) != set(items):
+        extra, lacking = sorted(set(index) - set(items)), sorted(set(items) - set(index))
+        return (f"{where}: its piece index does not match the plan's units ({len(index)} pieces, the plan has "
+                f"{len(items)}; e.g. {(extra or lacking)[:2]})")
+    for key, it in items.items():
+        if list(index[key]["shape"]) != list(it.shape) or index[key].get("unit") != it.unit:
+            return f"{where}: piece {key} is indexed with shape {index[key]['shape']}, the plan's unit has {list(it.shape)}"
+    for key in f.record["held"]:
+        if key not in items or f.rank not in items[key].owners:
+            return f"{where}: holds piece {key}, which rank {f.rank} does not own under its plan"
+    return None
+
+
+def _check_tensors(f: Fragment, manifest: dict[str, Any], plan: MaskPlan, partition: Partition) -> None:
+    """Every tensor file's metadata (run, step, rank), keys and shapes, from its header alone."""
+    index, held = f.record["index"], set(f.record["held"])
+    if held or ck.pieces_file(f.rank) in f.record["files"]:
+        pieces = ck.TensorFile(f.path / ck.pieces_file(f.rank), manifest, {"writer": str(f.rank)})
+        for key in pieces.keys():
+            piece = key.split("/", 1)[1] if "/" in key else key
+            if piece not in held:
+                raise CheckpointError(f"{pieces.path}: holds {key}, not a piece its record lists")
+            shape = pieces.shape(key)
+            if not key.startswith(units.SCALAR) and shape != list(index[piece]["shape"]):
+                raise CheckpointError(f"{pieces.path}: tensor {key} has shape {shape}, the plan's unit has "
+                                      f"{index[piece]['shape']}")
+        lacking = sorted(held - pieces.keys())
+        if lacking:
+            raise CheckpointError(f"{pieces.path}: lacks the pieces {lacking[:3]} its record lists")
+    buffers = ck.TensorFile(f.path / ck.rank_files(f.rank)[0], manifest, {"rank": str(f.rank)})
+    for it in global_items(partition, plan, buffers=True):
+        key = units.item_key(it)
+        if f.rank in it.owners and (key not in buffers or buffers.shape(key) != list(it.shape)):
+            raise CheckpointError(f"{buffers.path}: buffer {key} is missing or not of shape {list(it.shape)}")

@@ -1,0 +1,221 @@
+"""The survivors' files are checked before they are used: their run and lineage, every file, the plan.
+
+One real run (4 gloo ranks under the plain launcher, ResNet-18 on digits at C = 0.5 with
+``masker.min_owners=2``, ``seed=1``, a checkpoint at step 3) loses rank 1 in step 6: ranks 0, 2
+and 3 keep step 5 in ``checkpoints/survivors``, each unit written by its lowest surviving owner.
+Copies of that directory are then damaged one way each and assembled (the table), branched from
+step 3 by an explicit resume, copied into another run, and evaluated after assembly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+
+from subnetdp.core.contracts import DataSpec
+from subnetdp.evaluate.export import export, load_reference, load_union
+from subnetdp.sdp.construct import meta_model
+from subnetdp.sdp.variants import partition_model
+from subnetdp.train.checkpoints import files as ck
+from subnetdp.train.checkpoints import lineage, survivors
+from tests.helpers import plugin_manager
+
+COMMON = ["train", "resnet18_digits", "train.batch_size=4", "train.log_every=2", "eval.bn_recalibrate_batches=0",
+          "eval.every=0", "optim.warmup_steps=0", "masker.coverage=0.5", "masker.min_owners=2", "seed=1",
+          "launch.threads_per_rank=1", "train.progress=false", "checkpoint.keep=0", "checkpoint.every=3"]
+
+
+def _train(run_dir: Path, *extra: str, nproc: int = 4, env: dict | None = None, rc: int = 0) -> str:
+    cmd = [sys.executable, "-m", "subnetdp", *COMMON, f"launch.nproc={nproc}", f"run.dir={run_dir.parent}",
+           f"run.name={run_dir.name}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("src") / "src"
+    _train(run, "train.steps=6", "resume=auto", env={ck.KILL_IN_SYNC: "6"}, rc=2)
+    found = sorted(p.name for p in survivors.survivors_dir(run).iterdir())
+    assert found == [f"step_00000005.rank_{r}" for r in (0, 2, 3)], found
+    return run
+
+
+def _copy(source: Path, dst: Path) -> Path:
+    shutil.copytree(source, dst, ignore=shutil.ignore_patterns("logs", "tensorboard"))
+    return dst
+
+
+def _expected(run: Path) -> survivors.Expected:
+    frag = survivors.fragment_dir(run, 5, 0)
+    header = json.loads((frag / survivors.FRAGMENT).read_text())["header"]
+    cfg = OmegaConf.load(frag / "config.yaml")
+    adapter = plugin_manager().registries["model"].get(cfg.model.name)(cfg.model)
+    spec = DataSpec(**header["data_spec"])
+    partition = partition_model(adapter, meta_model(adapter, spec), cfg.masker, spec)
+    return survivors.Expected(lineage.read(run), header["model"], partition)
+
+
+def _record(run: Path, rank: int) -> tuple[Path, dict]:
+    path = survivors.fragment_dir(run, 5, rank) / survivors.FRAGMENT
+    return path, json.loads(path.read_text())
+
+
+def _rewrite(run: Path, rank: int, name: str, data: bytes | None = None) -> None:
+    """Give file ``name`` of rank ``rank``'s fragment new bytes (its own when None) with a record that
+    matches them: only the deeper checks can tell."""
+    f = survivors.fragment_dir(run, 5, rank) / name
+    if data is not None:
+        f.write_bytes(data)
+    path, record = _record(run, rank)
+    record["files"][name] = {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    path.write_text(json.dumps(record))
+
+
+def _later_step(run: Path) -> None:
+    old = survivors.fragment_dir(run, 5, 2)
+    new = old.with_name("step_00000006.rank_2")
+    old.rename(new)
+    record = json.loads((new / survivors.FRAGMENT).read_text())
+    record["header"]["step"] = 6
+    (new / survivors.FRAGMENT).write_text(json.dumps(record))
+
+
+def _other_model(run: Path) -> None:
+    path, record = _record(run, 2)
+    record["header"]["partition_digest"] = "0" * 16
+    path.write_text(json.dumps(record))
+
+
+def _wrong_shape(run: Path) -> None:
+    f = survivors.fragment_dir(run, 5, 2) / "pieces_2.safetensors"
+    tensors = load_file(str(f))
+    from safetensors import safe_open
+    with safe_open(str(f), "pt") as h:
+        meta = h.metadata()
+    key = max((k for k in tensors if "/" not in k), key=lambda k: tensors[k].numel())
+    tensors[key] = tensors[key][:1].clone()
+    save_file(tensors, str(f), metadata=meta)
+    _rewrite(run, 2, "pieces_2.safetensors")
+
+
+def _flip_bit(run: Path) -> None:
+    f = survivors.fragment_dir(run, 5, 2) / "pieces_2.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def _zero_bytes(run: Path) -> None:
+    _rewrite(run, 2, "pieces_2.safetensors", b"")
+
+
+def _duplicated_rank(run: Path) -> None:
+    # rank 2's folder copied as rank 1's (the dead rank), its record adjusted to match the folder
+    dup = survivors.fragment_dir(run, 5, 1)
+    shutil.copytree(survivors.fragment_dir(run, 5, 2), dup)
+    record = json.loads((dup / survivors.FRAGMENT).read_text())
+    record["rank"] = 1
+    (dup / survivors.FRAGMENT).write_text(json.dumps(record))
+
+
+def _empty_index(run: Path) -> None:
+    path, record = _record(run, 2)
+    record["index"] = {}
+    path.write_text(json.dumps(record))
+
+
+def _truncated(run: Path) -> None:
+    f = survivors.fragment_dir(run, 5, 2) / "pieces_2.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _linked_record(run: Path) -> None:
+    path, record = _record(run, 2)
+    outside = run.parent / "elsewhere.json"
+    outside.write_text(json.dumps(record))
+    path.unlink()
+    path.symlink_to(outside)
+
+
+def _foreign_run(run: Path) -> None:  # another run's survivors' files copied in (defect 2, at this level)
+    for r in (0, 2, 3):
+        path, record = _record(run, r)
+        record["header"]["run_id"] = "f" * 32
+        path.write_text(json.dumps(record))
+
+
+DAMAGE = [  # how a fragment is damaged, and what the line naming it says
+    (_later_step, "step_00000006.rank_2/pieces_2.safetensors: metadata step='5', expected '6'"),
+    (_other_model, "step_00000005.rank_2/FRAGMENT.json: written for another partition"),
+    (_wrong_shape, "step_00000005.rank_2/pieces_2.safetensors: tensor"),
+    (_flip_bit, "step_00000005.rank_2/pieces_2.safetensors: corrupted: its sha256 differs"),
+    (_zero_bytes, "step_00000005.rank_2/pieces_2.safetensors: not a readable safetensors file"),
+    (_duplicated_rank, "step_00000005.rank_1/rank_1.safetensors: missing from the survivor's record"),
+    (_empty_index, "step_00000005.rank_2/FRAGMENT.json: its piece index does not match the plan's units"),
+    (_truncated, "step_00000005.rank_2/pieces_2.safetensors: truncated"),
+    (_linked_record, "step_00000005.rank_2/FRAGMENT.json: is a symbolic link"),
+    (_foreign_run, "step_00000005.rank_0/FRAGMENT.json: written by run ffffffff"),
+]
+
+
+@pytest.mark.parametrize("damage, line", DAMAGE, ids=[d.__name__.strip("_") for d, _ in DAMAGE])
+def test_a_damaged_fragment_is_named_and_the_step_skipped_down_to_the_checkpoint(source, tmp_path, damage, line):
+    run = _copy(source, tmp_path / "src")
+    damage(run)
+    newest = ck.step_dir(run, 3)
+    before = sorted(p.name for p in survivors.survivors_dir(run).iterdir())
+    done = survivors.assemble(run, _expected(run), newest)
+    assert done is not None and done.checkpoint is None, done
+    assert any(line in s for s in done.skipped), done.skipped
+    assert done.message.endswith(f"resuming from the newest complete checkpoint, {newest}"), done.message
+    assert not ck.step_dir(run, 5).exists() and not list(ck.checkpoints_dir(run).glob("step_*.tmp"))
+    assert sorted(p.name for p in survivors.survivors_dir(run).iterdir()) == before  # nothing removed
+
+
+def test_a_full_disk_while_assembling_falls_back_and_leaves_no_leftover(source, tmp_path, monkeypatch):
+    # ENOSPC is injected (SUBNETDP_TEST_NO_SPACE_IN_ASSEMBLY) after the first file is linked.
+    run = _copy(source, tmp_path / "src")
+    monkeypatch.setenv(ck.NO_SPACE_IN_ASSEMBLY, "5")
+    done = survivors.assemble(run, _expected(run), ck.step_dir(run, 3))
+    assert done is not None and done.checkpoint is None
+    assert any("[Errno 28] No space left on device" in s for s in done.skipped), done.skipped
+    assert "resuming from the newest complete checkpoint" in done.message
+    assert not ck.step_dir(run, 5).exists()
+    assert not list(ck.checkpoints_dir(run).glob("step_*.tmp"))
+    assert len(list(survivors.survivors_dir(run).iterdir())) == 3
+
+
+def test_an_assembled_checkpoint_is_evaluated_and_exported(source, tmp_path):
+    run = _copy(source, tmp_path / "src")
+    done = survivors.assemble(run, _expected(run), ck.step_dir(run, 3))
+    assert done is not None and done.checkpoint == ck.step_dir(run, 5), done
+    assert done.message.startswith("recovered step 5 from the surviving owners (ranks [0, 2, 3]; lost: [1])")
+    manifest = ck.read_manifest(done.checkpoint)
+    assert manifest["absent_ranks"] == [1] and len(manifest["lineage"]) == 1
+    # Each unit was written once, by its lowest surviving owner: the assembled step is no bigger
+    # than a regular checkpoint's pieces.
+    size = lambda d: sum(p.stat().st_size for p in d.glob("pieces_*.safetensors"))  # noqa: E731
+    assert size(done.checkpoint) <= size(ck.step_dir(run, 3)) * 1.01
+    loaded = load_union(done.checkpoint, plugin_manager())  # the dead rank's buffers are not asked for
+    pieces = load_file(str(survivors.fragment_dir(run, 5, 0) / "pieces_0.safetensors"))
+    params = dict(loaded.model.named_parameters())
+    whole = [k for k in pieces if k.startswith(("conv1.", "fc.")) and k in params]  # not scaled by the union
+    assert whole and all(torch.equal(params[k], pieces[k]) for k in whole)
+    out = tmp_path / "export"
+    export(done.checkpoint, out, recalibrate=False, pm=plugin_manager())
+    ref = load_reference(out, plugin_manager())
+    assert all(torch.equal(dict(ref.named_parameters())[k], pieces[k]) for k in whole)
