@@ -219,3 +219,56 @@ def test_an_assembled_checkpoint_is_evaluated_and_exported(source, tmp_path):
     export(done.checkpoint, out, recalibrate=False, pm=plugin_manager())
     ref = load_reference(out, plugin_manager())
     assert all(torch.equal(dict(ref.named_parameters())[k], pieces[k]) for k in whole)
+
+
+def test_an_explicit_resume_sets_newer_survivors_files_aside_and_auto_keeps_its_branch(source, tmp_path):
+    # The issue's defect 1: survivors kept step 5; the user branches from step 3 with another learning
+    # rate (writes step 4); resume=auto must continue step 4, not the abandoned branch's step 5.
+    run = _copy(source, tmp_path / "src")
+    out = _train(run, "train.steps=4", f"resume={ck.step_dir(run, 3)}", "optim.lr=0.005")
+    aside = survivors.set_aside_dir(run)
+    moved = sorted(p.name for p in aside.glob("*/step_*"))
+    assert moved == [f"step_00000005.rank_{r}" for r in (0, 2, 3)], moved
+    assert f"subnetdp: set aside 3 survivors' file(s) of another run or of a branch this run does not continue " \
+           f"(resume={ck.step_dir(run, 3)}) in {aside}" in out, out
+    branch = ck.read_manifest(ck.step_dir(run, 4))
+    chain = branch["lineage"]
+    assert len(chain) == 2 and chain[1]["from_step"] == 3 and chain[0] == ck.read_manifest(ck.step_dir(run, 3))["lineage"][0]
+    assert lineage.read(run) == {"run_id": branch["run_id"], "lineage": chain}
+    # The abandoned fragments put back by hand are still not this lineage's: named, skipped, not used.
+    for d in aside.glob("*/step_*"):
+        d.rename(survivors.survivors_dir(run) / d.name)
+    out = _train(run, "train.steps=6", "resume=auto")
+    assert "recovered step" not in out and f"resumed from {ck.step_dir(run, 4)} (step 4)" in out, out
+    assert "is on a branch this run left when it resumed from step 3" in out, out
+
+
+def test_survivors_files_of_another_run_and_damaged_ones_are_not_used(source, tmp_path):
+    # Defect 2: another run's (seed=1) survivors' files copied into run X are set aside, X resumes its own.
+    x, one = tmp_path / "x", ("seed=0", "resume=auto", "masker.coverage=1", "masker.min_owners=1")
+    _train(x, "train.steps=3", *one, nproc=1)
+    shutil.copytree(survivors.survivors_dir(source), survivors.survivors_dir(x))
+    out = _train(x, "train.steps=4", *one, nproc=1)
+    assert "recovered step" not in out and f"resumed from {ck.step_dir(x, 3)} (step 3)" in out, out
+    assert "set aside 3 survivors' file(s)" in out and not any(survivors.survivors_dir(x).iterdir())
+    shutil.rmtree(x)
+    # Defect 3: a flipped bit in the run's own survivors' files: named, the checkpoint used, the run goes on.
+    run = _copy(source, tmp_path / "src")
+    _flip_bit(run)
+    out = _train(run, "train.steps=4", "resume=auto")
+    bad = survivors.fragment_dir(run, 5, 2) / "pieces_2.safetensors"
+    assert f"subnetdp: step 5 skipped: {bad}: corrupted: its sha256 differs" in out, out
+    assert f"resumed from {ck.step_dir(run, 3)} (step 3)" in out and ck.step_dir(run, 4).is_dir(), out
+
+
+def test_a_linked_survivors_folder_is_refused_before_anything_is_written(source, tmp_path):
+    # Defect 8: checkpoints/survivors a link to a folder outside the run: one line, before any process group.
+    run = _copy(source, tmp_path / "src")
+    outside = tmp_path / "outside"
+    survivors.survivors_dir(run).rename(outside)
+    (ck.checkpoints_dir(run) / survivors.SURVIVORS).symlink_to(outside)
+    before = sorted(p.name for p in outside.iterdir())
+    out = _train(run, "train.steps=6", "resume=auto", rc=2)
+    lines = [line for line in out.splitlines() if line.startswith("subnetdp: error:")]
+    assert len(lines) == 1 and f"{ck.checkpoints_dir(run) / 'survivors'}: is a symbolic link (to {outside})" in lines[0], out
+    assert sorted(p.name for p in outside.iterdir()) == before and not ck.step_dir(run, 5).exists()
