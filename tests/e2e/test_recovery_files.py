@@ -206,6 +206,7 @@ def test_an_assembled_checkpoint_is_evaluated_and_exported(source, tmp_path):
     assert done.message.startswith("recovered step 5 from the surviving owners (ranks [0, 2, 3]; lost: [1])")
     manifest = ck.read_manifest(done.checkpoint)
     assert manifest["absent_ranks"] == [1] and len(manifest["lineage"]) == 1
+    assert len(list(survivors.survivors_dir(run).iterdir())) == 3  # the originals stay until it has loaded
     # Each unit was written once, by its lowest surviving owner: the assembled step is no bigger
     # than a regular checkpoint's pieces.
     size = lambda d: sum(p.stat().st_size for p in d.glob("pieces_*.safetensors"))  # noqa: E731
