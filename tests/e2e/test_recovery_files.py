@@ -273,3 +273,20 @@ def test_a_linked_survivors_folder_is_refused_before_anything_is_written(source,
     lines = [line for line in out.splitlines() if line.startswith("subnetdp: error:")]
     assert len(lines) == 1 and f"{ck.checkpoints_dir(run) / 'survivors'}: is a symbolic link (to {outside})" in lines[0], out
     assert sorted(p.name for p in outside.iterdir()) == before and not ck.step_dir(run, 5).exists()
+
+
+def test_an_assembled_step_that_does_not_load_is_set_aside_and_the_checkpoint_used(source, tmp_path):
+    # What the checks before assembling cannot see (a state file of another optimizer, its record
+    # made to match) fails the load on rank 2: the step and its fragments go aside, the run goes on.
+    run = _copy(source, tmp_path / "src")
+    name = ck.rank_files(2)[1]
+    state = torch.load(survivors.fragment_dir(run, 5, 2) / name, weights_only=True)
+    state["optimizer"]["class"] = "Adam"
+    torch.save(state, survivors.fragment_dir(run, 5, 2) / name)
+    _rewrite(run, 2, name)
+    out = _train(run, "train.steps=4", "resume=auto")
+    assert "recovered step 5 from the surviving owners" in out, out
+    assert "subnetdp: the step recovered from the survivors did not load (rank 2: " in out, out
+    assert f"resumed from {ck.step_dir(run, 3)} (step 3)" in out and ck.step_dir(run, 4).is_dir(), out
+    aside = sorted(p.name for p in survivors.set_aside_dir(run).glob("*/*"))
+    assert aside == ["step_00000005", *(f"step_00000005.rank_{r}" for r in (0, 2, 3))], aside
