@@ -415,6 +415,7 @@ def check_resume_source(cfg: Any) -> None:
         run_dir = Path(str(cfg.run.dir)) / str(cfg.run.name)
         if cfg.run.name:
             survivors.survivors_dir(run_dir)  # a link there is refused before any process group exists
+            lineage.read(run_dir)  # so is a damaged lineage record
         path = ck.latest_checkpoint(run_dir) if cfg.run.name else None
     else:
         path = ck.resolve_checkpoint(Path(resume))
