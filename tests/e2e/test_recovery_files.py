@@ -234,7 +234,8 @@ def test_an_explicit_resume_sets_newer_survivors_files_aside_and_auto_keeps_its_
            f"(resume={ck.step_dir(run, 3)}) in {aside}" in out, out
     branch = ck.read_manifest(ck.step_dir(run, 4))
     chain = branch["lineage"]
-    assert len(chain) == 2 and chain[1]["from_step"] == 3 and chain[0] == ck.read_manifest(ck.step_dir(run, 3))["lineage"][0]
+    start = ck.read_manifest(ck.step_dir(run, 3))["lineage"]
+    assert len(chain) == 2 and chain[1]["from_step"] == 3 and chain[0] == start[0]
     assert lineage.read(run) == {"run_id": branch["run_id"], "lineage": chain}
     # The abandoned fragments put back by hand are still not this lineage's: named, skipped, not used.
     for d in aside.glob("*/step_*"):
@@ -271,7 +272,8 @@ def test_a_linked_survivors_folder_is_refused_before_anything_is_written(source,
     before = sorted(p.name for p in outside.iterdir())
     out = _train(run, "train.steps=6", "resume=auto", rc=2)
     lines = [line for line in out.splitlines() if line.startswith("subnetdp: error:")]
-    assert len(lines) == 1 and f"{ck.checkpoints_dir(run) / 'survivors'}: is a symbolic link (to {outside})" in lines[0], out
+    link = ck.checkpoints_dir(run) / "survivors"
+    assert len(lines) == 1 and f"{link}: is a symbolic link (to {outside})" in lines[0], out
     assert sorted(p.name for p in outside.iterdir()) == before and not ck.step_dir(run, 5).exists()
 
 

@@ -271,7 +271,8 @@ class Checkpointer:
         ``lost`` (the ranks this rank knows to be dead) writes, so each surviving unit is written about
         once, with no collective to agree who writes (a co-owner that died unnoticed costs that unit's
         recovery: the run falls back to its newest checkpoint). When no dead rank is known (the store
-        went with the job), or under local steps (owners' copies differ), every piece it owns. Its buffers, state, plan and config in any case."""
+        went with the job), or under local steps (owners' copies differ), every piece it owns. Its
+        buffers, state, plan and config in any case."""
         state, ctx = self.state, self.ctx
         plan, partition, sync, model = state.plan, state.partition, state.synchronizer, state.model
         if snapshot is not None:  # the buffers as the step ended, not as the next step's forward left them
@@ -305,10 +306,11 @@ class Checkpointer:
         it and its fragments aside and every rank tries the next choice (the fragments were removed
         only once an assembled checkpoint has loaded, so nothing is lost by trying).
         """
+        failed: str | None = None  # rank 0: setting a step that did not load aside failed
         while True:
             choice: dict[str, Any] = {"path": None, "run_id": uuid.uuid4().hex, "lineage": [lineage.new_entry(0)],
-                                      "assembled": False, "error": None}
-            if self.rank == 0:
+                                      "assembled": False, "error": failed}
+            if self.rank == 0 and failed is None:
                 try:
                     choice.update(self._choose())
                 except SubnetdpError as e:
@@ -327,7 +329,10 @@ class Checkpointer:
             errors = [e for e in self.comm.all_gather_object(error) if e]  # collective: all load or none goes on
             if errors and choice["assembled"]:
                 if self.rank == 0:
-                    self._set_aside_assembled(Path(choice["path"]), "; ".join(errors))
+                    try:
+                        self._set_aside_assembled(Path(choice["path"]), "; ".join(errors))
+                    except (OSError, SubnetdpError) as e:  # told to every rank by the next choice
+                        failed = f"{'; '.join(errors)}; setting {choice['path']} aside failed too ({e})"
                 continue  # collective: every rank chooses again, as rank 0 now does
             if errors:
                 raise CheckpointError("; ".join(errors))

@@ -378,7 +378,8 @@ def _check_index(f: Fragment, plan: MaskPlan, partition: Partition) -> str | Non
                 f"{len(items)}; e.g. {(extra or lacking)[:2]})")
     for key, it in items.items():
         if list(index[key]["shape"]) != list(it.shape) or index[key].get("unit") != it.unit:
-            return f"{where}: piece {key} is indexed with shape {index[key]['shape']}, the plan's unit has {list(it.shape)}"
+            return (f"{where}: piece {key} is indexed with shape {index[key]['shape']}, the plan's unit has "
+                    f"{list(it.shape)}")
     for key in f.record["held"]:
         if key not in items or f.rank not in items[key].owners:
             return f"{where}: holds piece {key}, which rank {f.rank} does not own under its plan"
