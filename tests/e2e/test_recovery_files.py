@@ -279,14 +279,22 @@ def test_a_linked_survivors_folder_is_refused_before_anything_is_written(source,
 
 def test_an_assembled_step_that_does_not_load_is_set_aside_and_the_checkpoint_used(source, tmp_path):
     # What the checks before assembling cannot see (a state file of another optimizer, its record
-    # made to match) fails the load on rank 2: the step and its fragments go aside, the run goes on.
+    # made to match) fails the load on rank 2: the step and its fragments go aside, the run goes on;
+    # leftovers of interrupted writes are cleaned when it starts.
     run = _copy(source, tmp_path / "src")
     name = ck.rank_files(2)[1]
     state = torch.load(survivors.fragment_dir(run, 5, 2) / name, weights_only=True)
     state["optimizer"]["class"] = "Adam"
     torch.save(state, survivors.fragment_dir(run, 5, 2) / name)
     _rewrite(run, 2, name)
+    # Leftovers of writes a kill interrupted (newer than any checkpoint, so no save would prune them).
+    leftovers = [ck.checkpoints_dir(run) / "step_00000099.tmp",
+                 survivors.survivors_dir(run) / "step_00000007.rank_2.tmp"]
+    for d in leftovers:
+        d.mkdir()
+        (d / "pieces_2.safetensors").write_bytes(b"partial")
     out = _train(run, "train.steps=4", "resume=auto")
+    assert not any(d.exists() for d in leftovers)  # cleaned when the run started
     assert "recovered step 5 from the surviving owners" in out, out
     assert "subnetdp: the step recovered from the survivors did not load (rank 2: " in out, out
     assert f"resumed from {ck.step_dir(run, 3)} (step 3)" in out and ck.step_dir(run, 4).is_dir(), out

@@ -1,9 +1,10 @@
 """Recovery from the surviving owners: each survivor's files, and the checkpoint assembled from them.
 
 SDP keeps every unit on ``k(u)`` ranks, bit-identical after every step. When a rank dies, every
-survivor writes, before it exits and without any collective, a *fragment*: every piece it owns (not
-only those it writes in a regular checkpoint), its buffers and its state, as of the last step it
-finished, in the checkpoint format::
+survivor writes, before it exits and without any collective, a *fragment*: the pieces it owns that
+no lower-ranked surviving owner writes (not those it writes in a regular checkpoint: their writer may
+be the dead rank), its buffers and its state, as of the last step it finished, in the checkpoint
+format::
 
     RUN_DIR/checkpoints/survivors/step_{S:08d}.rank_{r}/
         pieces_{r}.safetensors  rank_{r}.safetensors  rank_{r}.state.pt  plan.json  config.yaml
@@ -18,8 +19,10 @@ one world size), their RNG re-seeded from the step, their buffers the mean of th
 owners' copies, as in a re-planned resume. When no step is complete (a unit lost every owner, or
 survivors stopped one step apart and neither step is whole) the run falls back to the newest
 complete checkpoint, and :func:`assemble` says why in one line, naming the units. Fragments are
-data: their names and fields are checked like a manifest's, and they are removed once a complete
-checkpoint supersedes them.
+data: each is checked before a step is built (:func:`check_fragment`: run id and lineage, model,
+partition and plan, every file's checksum, tensor metadata and shapes); a bad one is named and its
+step skipped. They stay until the assembled checkpoint has loaded, and are removed once a complete
+checkpoint supersedes them; those of another run or lineage are moved aside (:func:`set_aside`).
 """
 
 from __future__ import annotations
