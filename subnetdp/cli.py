@@ -223,16 +223,17 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
         print(format_table(rows, ["name", "kind", "package", "version", "plugin", "hooks"]))
         if pm.disabled:
             print(f"\ndisabled: {', '.join(pm.disabled)}")
+        for problem in pm.broken.values():
+            print(f"\nbroken: {problem.line}")
     return 0
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    # The package's own version (the one source pyproject reads), right even in an editable
+    # install whose metadata was written before a version change.
+    from subnetdp import __version__
 
-    try:
-        return version("subnetdp")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return __version__
 
 
 def cmd_recipes(ns: argparse.Namespace) -> int:
