@@ -109,8 +109,10 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     # on this run directory stops at this line however soon after this one it was started.
     with runlock.hold_for_workers(upfront.run_dir_of(cfg)):
         upfront.check_new_run(cfg)  # again, now that no other job can start a run there
-        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
-        return launch_local(nproc, argv, stop_timeout_s=float(cfg.launch.stop_timeout_s))
+        restarts = int(cfg.launch.max_restarts)
+        again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
+        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)
+        return launch_local(nproc, argv, max_restarts=restarts, stop_timeout_s=float(cfg.launch.stop_timeout_s))
 
 
 def _already_finished(cfg, env) -> bool:
