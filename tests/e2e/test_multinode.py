@@ -135,6 +135,11 @@ def _checkpoint_ranks(run: Path) -> int:
     return 0 if latest is None else len(list(latest.glob("rank_*.state.pt")))
 
 
+def _agent_logs(run: Path) -> str:
+    """What the torchrun agents of the job logged (``RUN_DIR/logs/agent_<host>_<pid>.log``)."""
+    return "".join(p.read_text(errors="replace") for p in sorted((run / "logs").glob("agent_*.log")))
+
+
 def _first_step_after(run: Path, moment: float, resumed: int) -> float:
     """Seconds from ``moment`` to the end of rank 0's first step after the resumed one."""
     acc = EventAccumulator(str(run / "tensorboard" / "rank_0"), size_guidance={"scalars": 0})
@@ -202,7 +207,8 @@ def test_a_node_that_joins_makes_the_job_stop_at_a_step_and_resume_it_on_the_lar
     os.kill(worker, signal.SIGSTOP)
     joined_at = time.time()
     second = _node(agents, tmp_path, nodes, 1, *extra)
-    _wait_for("the agent's signal to its worker", lambda: "closing signal SIGTERM" in first.console)
+    # The agent's own log records are in the run's logs/ (its console keeps subnetdp's lines).
+    _wait_for("the agent's signal to its worker", lambda: "closing signal SIGTERM" in _agent_logs(run))
     os.kill(worker, signal.SIGCONT)
     assert first.wait() == 0, first.console[-5000:]
     assert second.wait() == 0, second.console[-5000:]
