@@ -43,9 +43,9 @@ def _first_line(error: BaseException) -> str:
 def run_dir_of_args(argv: list[str]) -> Path | None:
     """The run directory of ``... -m subnetdp train [RECIPE] KEY=VALUE ...``, or None if it cannot be told.
 
-    ``run.dir=`` and ``run.name=`` on the command line first; a run directory that only the recipe
-    names is read by composing the config (core's :func:`~subnetdp.core.config.compose`, no checks
-    beyond it). Without ``run.name`` the workers make one up: None then.
+    ``run.name=`` must be on the command line (without it the workers make a name up: None then);
+    ``run.dir=`` too, or it is read by composing the config (core's
+    :func:`~subnetdp.core.config.compose`: the recipe's or the default folder).
     """
     args = list(argv)
     starts = [i for i in range(len(args) - 1) if args[i] == "subnetdp" and args[i + 1] == "train"]
@@ -53,7 +53,9 @@ def run_dir_of_args(argv: list[str]) -> Path | None:
         return None
     rest = args[starts[0] + 2:]
     given = dict(a.split("=", 1) for a in rest if "=" in a and not a.startswith(("~", "+")))
-    if given.get("run.name") and given.get("run.dir"):
+    if not given.get("run.name"):
+        return None  # the workers make a name up (a job over several nodes must give one)
+    if given.get("run.dir"):
         return Path(given["run.dir"]) / given["run.name"]
     try:
         from subnetdp.core.config import compose

@@ -34,3 +34,12 @@ def test_fd_2_goes_to_the_log_and_python_lines_to_the_console(tmp_path: Path) ->
         plain = _run(tmp_path / str(len(env)), **env)
         assert "sendBytes failed" in plain.stderr and "rank 3 stopped" in plain.stderr
         assert not (tmp_path / str(len(env)) / "logs").exists()
+
+
+def test_the_agent_finds_the_run_directory_its_logs_go_to() -> None:
+    from subnetdp.launchers.torchrun import run_dir_of_args
+
+    job = ["--nnodes", "2", "--max-restarts", "1", "-m", "subnetdp", "train", "resnet18_digits"]
+    assert run_dir_of_args([*job, "run.dir=/x", "run.name=exp"]) == Path("/x/exp")
+    assert run_dir_of_args([*job, "run.name=exp"]) == Path("runs/exp")  # the default folder, composed
+    assert run_dir_of_args(job) is None  # the workers make the name up: the records stay on the console
