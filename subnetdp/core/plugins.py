@@ -26,7 +26,12 @@ _ANNOUNCED: set[str] = set()  # lines about broken plugins already printed by th
 
 
 def announce(line: str) -> None:
-    """Print a line about a plugin to stderr once per process (every command builds a plugin manager)."""
+    """Print a line about a plugin to stderr once per process (every command builds a plugin manager).
+
+    Of a node's workers only the first says it (the others load the same packages).
+    """
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
     if line not in _ANNOUNCED:
         _ANNOUNCED.add(line)
         print(f"subnetdp: {line}", file=sys.stderr, flush=True)
