@@ -11,13 +11,17 @@ from subnetdp.core.contracts import (CommConfig, Communicator, DataConfig, DataM
                                      RunContext, RunResult, TensorSlice, TrainStateView, Unit)
 from subnetdp.core.errors import (CheckpointError, ConfigError, NonFiniteError, PeerLost, PlanError,
                                   RankMismatchError, SubnetdpError, suggest)
+from subnetdp.core import moved as _moved
 from subnetdp.core.fields import doc
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.core.plan import GROUP_BY, MaskPlan, group_units, rank_coverages, units_kept
 from subnetdp.core.plugins import Registry
 from subnetdp.core.records import plain_name_problem
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# Import paths that moved since 0.1.0 still work for one release, with a DeprecationWarning.
+_moved.install()
 
 __all__ = [
     "CheckpointError", "CommConfig", "Communicator", "ConfigError", "DataConfig", "DataModule", "DataSpec",

@@ -92,6 +92,7 @@ def _name_run(cfg, world_size: int) -> str:
 
 def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: int, pm) -> int:
     """``subnetdp train launch.nproc=N``: every check, then the run directory's lock, then the workers."""
+    from subnetdp.launchers.invocation import record_invocation
     from subnetdp.launchers.local import launch_local
     from subnetdp.train import runlock, upfront
     from subnetdp.train.setup import preflight
@@ -109,8 +110,11 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     # on this run directory stops at this line however soon after this one it was started.
     with runlock.hold_for_workers(upfront.run_dir_of(cfg)):
         upfront.check_new_run(cfg)  # again, now that no other job can start a run there
-        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous)", flush=True)
-        return launch_local(nproc, argv, stop_timeout_s=float(cfg.launch.stop_timeout_s))
+        record_invocation()  # the workers' resume commands name the program as it was started here
+        restarts = int(cfg.launch.max_restarts)
+        again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
+        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)
+        return launch_local(nproc, argv, max_restarts=restarts, stop_timeout_s=float(cfg.launch.stop_timeout_s))
 
 
 def _already_finished(cfg, env) -> bool:
@@ -129,6 +133,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     from subnetdp.train.setup import preflight
     from subnetdp.core.plugins import PluginManager
     from subnetdp.launchers.command import run_launch
+    from subnetdp.launchers.invocation import record_invocation
     from subnetdp.launchers.nodes import node_overrides, nodes_of
     from subnetdp.train import runlock, upfront
 
@@ -153,6 +158,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     args = ([recipe] if recipe else []) + overrides
 
     def start() -> int:
+        record_invocation()  # the workers' resume commands name the program as it was started here
         return run_launch(ns.launcher, ns.nproc, args, ns.mpirun, ns.launcher_args.split(), ns.dry_run, nodes)
 
     if not cfg.run.name or ns.dry_run:  # a made name is new; a dry run only prints
@@ -223,16 +229,17 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
         print(format_table(rows, ["name", "kind", "package", "version", "plugin", "hooks"]))
         if pm.disabled:
             print(f"\ndisabled: {', '.join(pm.disabled)}")
+        for problem in pm.broken.values():
+            print(f"\nbroken: {problem.line}")
     return 0
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    # The package's own version (the one source pyproject reads), right even in an editable
+    # install whose metadata was written before a version change.
+    from subnetdp import __version__
 
-    try:
-        return version("subnetdp")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return __version__
 
 
 def cmd_recipes(ns: argparse.Namespace) -> int:

@@ -131,7 +131,7 @@ class LaunchConfig:
                      lo=1, fix="1 runs on this node alone")
     min_nodes: int = doc('fewest nodes an elastic job goes on with (0 = launch.nodes: not elastic; needs resume=auto)', 0,
                          lo=0, fix="0 makes the job fixed at launch.nodes")
-    max_restarts: int = doc("torchrun's restarts of the worker group after a failure or a lost node (needs resume=auto)", 0,
+    max_restarts: int = doc("restarts of the worker group after a failure or a lost node (torchrun, subnetdp launch, launch.nproc=N; needs resume=auto)", 0,
                             lo=0, fix="0 ends the job at the first failure")
     rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents meet (a free port on the node started first)", "")
     rdzv_id: str = doc("the job's rendezvous id, the same on every node (empty: subnetdp-RUN.NAME)", "")

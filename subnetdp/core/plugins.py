@@ -8,18 +8,33 @@ entry-point name with ``SUBNETDP_DISABLE_PLUGINS=name1,name2``.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import pluggy
 
 from subnetdp.core import hookspecs
+from subnetdp.core.compat import IncompatiblePlugin, check_plugin
 from subnetdp.core.contracts import Communicator, DataModule, Masker, ModelAdapter
 from subnetdp.core.errors import ConfigError, SubnetdpError, suggest
 
 KIND_BASES = {"masker": Masker, "comm": Communicator, "model": ModelAdapter, "data": DataModule}
 KIND_WORDS = {"masker": "masker", "comm": "communicator", "model": "model", "data": "dataset"}
 DISABLE_ENV = "SUBNETDP_DISABLE_PLUGINS"
+_ANNOUNCED: set[str] = set()  # lines about broken plugins already printed by this process
+
+
+def announce(line: str) -> None:
+    """Print a line about a plugin to stderr once per process (every command builds a plugin manager).
+
+    Of a node's workers only the first says it (the others load the same packages).
+    """
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    if line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(f"subnetdp: {line}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,8 @@ class PluginManager:
         for name in disable:
             self._disabled_by.setdefault(name, (f"PluginManager(disable=[{name!r}])", "do not pass it in disable"))
         self._blocked: dict[str, Any] = {}  # disabled entry point name -> its entry point (not loaded)
+        #: entry point name -> why it was left out (an old hook signature, an import error); listed as broken.
+        self.broken: dict[str, IncompatiblePlugin] = {}
         for name in self._disabled_by:
             self.pm.set_blocked(name)
         self.disabled = sorted(self._disabled_by)
@@ -156,7 +173,35 @@ class PluginManager:
                     self._blocked[ep.name] = ep
                     continue
                 self._dists[ep.name] = dist
-                self.pm.register(ep.load(), name=ep.name)
+                self._register_entry_point(ep, dist)
+
+    def _register_entry_point(self, ep: Any, dist: Any) -> None:
+        """Load and register one entry point; one that cannot be registered is named in one line and left out."""
+        package = dist.metadata["name"]
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001 - any failure of a third-party import is reported the same way
+            self._leave_out(IncompatiblePlugin(ep.name, package, "", (
+                f"plugin '{ep.name}' (package {package}) is left out: importing {ep.value} failed: "
+                f"{type(exc).__name__}: {exc}; fix or uninstall it, or disable it with {DISABLE_ENV}={ep.name}")))
+            return
+        checked = check_plugin(obj, ep.name, package, self.pm.parse_hookimpl_opts)
+        if isinstance(checked, IncompatiblePlugin):
+            self._leave_out(checked)
+            return
+        if checked is not obj:
+            announce(f"plugin '{ep.name}' (package {package}) uses a 0.1.0 hook signature, adapted for this "
+                     f"release (see its DeprecationWarning); update it before 0.3.0")
+        try:
+            self.pm.register(checked, name=ep.name)
+        except pluggy.PluginValidationError as exc:  # what check_plugin does not foresee, still one line
+            self._leave_out(IncompatiblePlugin(ep.name, package, "", (
+                f"plugin '{ep.name}' (package {package}) is left out: {' '.join(str(exc).split())}")))
+
+    def _leave_out(self, problem: IncompatiblePlugin) -> None:
+        self.broken[problem.plugin] = problem
+        self._dists.pop(problem.plugin, None)
+        announce(problem.line)
 
     def _collect(self, kind: str) -> Registry:
         reg = Registry(kind)
@@ -220,7 +265,19 @@ class PluginManager:
             package, version = self._package(plugin)
             rows.append({"name": plugin, "kind": "hooks", "plugin": plugin, "package": package, "version": version,
                          "class": "", "hooks": self._hooks(plugin)})
+        for plugin, problem in self.broken.items():
+            rows.append({"name": plugin, "kind": "broken", "plugin": plugin, "package": problem.package,
+                         "version": self._broken_version(plugin), "class": "", "hooks": problem.hook,
+                         "problem": problem.line})
         return sorted(rows, key=lambda r: (r["kind"], r["name"]))  # kind by kind, names alphabetical
+
+    def _broken_version(self, plugin: str) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(self.broken[plugin].package)
+        except PackageNotFoundError:
+            return ""
 
     def versions(self) -> dict[str, str]:
         """Plugin name -> 'package==version', for comparing ranks."""

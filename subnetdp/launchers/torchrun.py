@@ -14,13 +14,21 @@ elastic job waits for an address that the agent that was already rank 0 never pu
 store's read timeout (60 s) fails both agents (torch 2.14.1), and a re-formed group could read the keys of the previous one. The workers learn the
 agent's process id (``SUBNETDP_LAUNCHER_PID``), so one whose agent died before it could ask to die
 with it exits at once (:mod:`subnetdp.launchers.lifetime`).
+
+The agent's own log records (torch's ``torch.distributed`` loggers: a failed worker's exit code,
+rendezvous rounds, restarts) go to ``RUN_DIR/logs/agent_<host>_<pid>.log`` when the arguments name the
+run, as a job over several nodes must: the console keeps one line per rank, and the workers route
+their C++ side's output to ``logs/`` too (:func:`subnetdp.train.failures.route_native_stderr`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import sys
+from pathlib import Path
 
 from subnetdp.launchers.failures import describe_failures
 
@@ -32,8 +40,67 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
+def run_dir_of_args(argv: list[str]) -> Path | None:
+    """The run directory of ``... -m subnetdp train [RECIPE] KEY=VALUE ...``, or None if it cannot be told.
+
+    ``run.name=`` must be on the command line (without it the workers make a name up: None then);
+    ``run.dir=`` too, or it is read by composing the config (core's
+    :func:`~subnetdp.core.config.compose`: the recipe's or the default folder).
+    """
+    args = list(argv)
+    starts = [i for i in range(len(args) - 1) if args[i] == "subnetdp" and args[i + 1] == "train"]
+    if not starts:
+        return None
+    rest = args[starts[0] + 2:]
+    given = dict(a.split("=", 1) for a in rest if "=" in a and not a.startswith(("~", "+")))
+    if not given.get("run.name"):
+        return None  # the workers make a name up (a job over several nodes must give one)
+    if given.get("run.dir"):
+        return Path(given["run.dir"]) / given["run.name"]
+    try:
+        from subnetdp.core.config import compose
+
+        recipe = rest[0] if rest and "=" not in rest[0] and not rest[0].startswith("~") else None
+        cfg = compose(recipe, rest[1:] if recipe else rest)
+    except Exception:  # noqa: BLE001 - a config the workers will refuse in their own words
+        return None
+    return Path(str(cfg.run.dir)) / str(cfg.run.name) if cfg.run.name else None
+
+
+class _LazyFileHandler(logging.FileHandler):
+    """A file handler that makes its folder at the first record (no run directory before the workers' checks)."""
+
+    def _open(self):  # noqa: ANN202 - logging's own signature
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+def route_agent_logs(argv: list[str]) -> Path | None:
+    """Send the agent's ``torch.distributed`` log records to the run's ``logs/`` instead of the console.
+
+    Returns the log file, or None when the run directory is unknown (the records stay on the console).
+    The file is created at the first record, so a job refused up front leaves nothing behind. Call it
+    after torch is imported: torch's logging set-up gives ``torch.distributed`` a console handler then.
+    """
+    run_dir = run_dir_of_args(argv)
+    if run_dir is None:
+        return None
+    path = run_dir / "logs" / f"agent_{socket.gethostname()}_{os.getpid()}.log"
+    handler = _LazyFileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("torch.distributed")
+    # torch's logging set-up (at import) gives this logger a console handler of its own: replace it.
+    for old in [h for h in log.handlers if type(h).__name__ == "_StderrHandler" or
+                (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler))]:
+        log.removeHandler(old)
+    log.addHandler(handler)
+    log.propagate = False  # nor the "torch" logger's console handler above it
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     from subnetdp.launchers.lifetime import PARENT_ENV
+
 
     os.environ.setdefault(SHARE_STORE_ENV, "1")
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers' parent: they die with this agent
@@ -42,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
+
+    route_agent_logs(sys.argv[1:] if argv is None else argv)  # after torch's imports, which set up its logging
 
     try:
         torchrun(argv)

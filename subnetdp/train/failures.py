@@ -27,6 +27,7 @@ from subnetdp.launchers.failures import tell_agent
 from subnetdp.train.stopping import Interrupted, continue_command
 
 LOGS = "logs"
+NATIVE_ENV = "SUBNETDP_NATIVE_STDERR"  # "console": leave the C++ side's stderr on the console (debugging)
 
 
 def log_path(run_dir: Path, rank: int) -> Path:
@@ -87,6 +88,7 @@ class FailureLog:
     def claim(self, ctx: RunContext) -> None:
         """The run context exists: from now on an error is this run's, and is logged in its directory."""
         self.ctx = ctx
+        route_native_stderr(ctx.run_dir, ctx.rank)
 
     def follow(self, state: Any) -> None:
         """The training state, whose progress says at which step an error came."""
@@ -139,3 +141,54 @@ def next_step(ctx: RunContext) -> str:
         return (f"the launcher restarts the workers (restart {int(count) + 1} of {most}), which continue from "
                 "there (resume=auto)")
     return f"continue with: {continue_command(sys.argv, cfg.run.dir, str(cfg.run.name))}"
+
+
+def stamp() -> str:
+    """The local time at the head of a plain log line (a batch job's log reads as a timeline)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def say_going_on(ctx: RunContext, step: int) -> None:
+    """After a restart, each node's first worker says that the job goes on, and from where.
+
+    Every node's console, not only rank 0's: whoever watches node 1 learns that the job recovered.
+    Nothing on a first start.
+    """
+    count, most = os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if not count.isdigit() or int(count) == 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    node = os.environ.get("GROUP_RANK", "0")
+    of = f" of {most}" if most.isdigit() else ""
+    print(f"{stamp()} subnetdp: node {node}: the job goes on after restart {count}{of}: {ctx.world_size} ranks, "
+          f"from step {step}", flush=True)
+
+
+def native_log_path(run_dir: Path, rank: int) -> Path:
+    """``RUN_DIR/logs/rank_R.stderr``: what the C++ side of rank R wrote to its standard error."""
+    return Path(run_dir) / LOGS / f"rank_{rank}.stderr"
+
+
+def route_native_stderr(run_dir: Path, rank: int) -> None:
+    """In a worker of torch's elastic launcher, send file descriptor 2 to ``logs/rank_R.stderr``.
+
+    torch's C++ side (the TCPStore client, gloo, c10 warnings and their backtraces) writes to fd 2
+    directly: after a lost peer that is dozens of lines per rank, against the console's one line per
+    rank. Python's ``sys.stderr`` is rebound to a copy of the console's descriptor first, so every
+    line of subnetdp's own (and Python's warnings) still reaches the console. Only in a launched
+    worker (``TORCHELASTIC_RUN_ID``): a process run in-line (a test, a notebook) keeps its streams.
+    ``SUBNETDP_NATIVE_STDERR=console`` leaves fd 2 alone.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(NATIVE_ENV) == "console":
+        return
+    path = native_log_path(run_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stderr.flush()
+        console = os.dup(2)
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return  # the console keeps it all: better noisy than silent
+    os.dup2(target, 2)
+    os.close(target)
+    sys.stderr = open(console, "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
+                      errors="backslashreplace")

@@ -19,7 +19,7 @@ from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
 from subnetdp.train.checkpoints.resume import Checkpointer
 from subnetdp.train.checkpoints.source import seed_host_rngs
-from subnetdp.train.failures import FailureLog
+from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.report import reporting, summarise
@@ -70,6 +70,7 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     # After set-up, whose lazy imports may draw from them (rich, via scikit-learn, does); a resume restores them.
     seed_host_rngs(int(cfg.seed))
     first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
+    say_going_on(ctx, first - 1)  # after a restart: every node's console says the job goes on
     if first > 1:
         ckpt.mark_finished(first - 1)
     batches = (_to_device(b, comm.device) for b in loader)

@@ -24,6 +24,7 @@ import torch
 from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import RunContext, RunResult
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.train.failures import stamp
 from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
 
 if TYPE_CHECKING:
@@ -155,8 +156,8 @@ class Reporter:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['train/loss']:.4f}")
             self.bar.write(line)
-        elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines
-            print(line, flush=True)
+        elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines,
+            print(f"{stamp()} {line}", flush=True)  # timestamped, so a job's log says when each step ended
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_eval_end(self, context: RunContext, step: int, metrics: dict[str, float], union: dict[str, Any],
@@ -169,7 +170,8 @@ class Reporter:
             if step < self.steps and context.rank == 0:  # the final evaluation is in the summary
                 from tqdm import tqdm
 
-                tqdm.write(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in own.items()))
+                when = "" if self.bar is not None else f"{stamp()} "  # a plain log line carries its time
+                tqdm.write(f"{when}eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in own.items()))
             self.log.scalars(step, {f"eval/{k}": v for k, v in own.items()})
             self.log.jsonl({"step": step, **{f"eval/{k}": v for k, v in own.items()}})
             if tasks:

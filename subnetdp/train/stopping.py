@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from subnetdp.core.errors import SubnetdpError
+from subnetdp.launchers.invocation import invoked_as
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: test-only: seconds a stopping rank waits before its checkpoint, so that a test's second signal
@@ -143,12 +144,14 @@ class StopRequest:
 
 
 def continue_command(argv: Sequence[str], run_dir: Any, run_name: str) -> str:
-    """The command that continues this run, quoted for a POSIX shell: this process's ``train``
-    arguments with ``resume=auto`` and the run's directory and name (a name the job made included)."""
+    """The command that continues this run, quoted for a POSIX shell: the program as it was invoked
+    (:func:`~subnetdp.launchers.invocation.invoked_as`), this process's ``train`` arguments with ``resume=auto`` and the run's directory and name (a name the job made included)."""
     args = list(argv)
     args = args[args.index("train") + 1:] if "train" in args else []
     keep = [a for a in args if not a.split("=", 1)[0].lstrip("+~") in ("resume", "run.dir", "run.name")]
-    return shlex.join(["subnetdp", "train", *keep, "resume=auto", f"run.dir={run_dir}", f"run.name={run_name}"])
+    # The program as the user started it (.venv/bin/subnetdp, python -m subnetdp): a bare `subnetdp`
+    # is not found where the virtual environment is not on PATH.
+    return shlex.join([*invoked_as(), "train", *keep, "resume=auto", f"run.dir={run_dir}", f"run.name={run_name}"])
 
 
 def stop_message(who: dict[int, int], step: int, checkpoint: Any, resume_hint: str) -> str:

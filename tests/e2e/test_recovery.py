@@ -158,7 +158,7 @@ def test_a_killed_worker_reads_as_one_line_per_rank_with_the_traceback_in_the_ru
         assert mine[0].startswith(f"subnetdp: error: rank {r} stopped in step 4: rank 1 died (the connection closed "
                                   "during all_reduce over ranks"), mine[0]
         assert f"it kept its units as of step 3 in {survivors.fragment_dir(run, 3, r)}" in mine[0]
-        assert "continue with: subnetdp train resnet18_digits " in mine[0] and "resume=auto" in mine[0]
+        assert re.search(r"continue with: \S+ -m subnetdp train resnet18_digits ", mine[0]) and "resume=auto" in mine[0]
         log = run / "logs" / f"rank_{r}.log"
         assert mine[0].endswith(f"; the full error: {log}"), mine[0]
         text = log.read_text()  # the traceback, with gloo's own words for the lost connection
@@ -171,3 +171,22 @@ def test_a_killed_worker_reads_as_one_line_per_rank_with_the_traceback_in_the_ru
                          f"exit code 2; rank 3: exit code 2); the full errors are in {run / 'logs'} (rank_0.log, "
                          "rank_2.log, rank_3.log)"), lines
     assert len([line for line in lines if not line.startswith("subnetdp: warning: ")]) == 4, lines
+
+
+def test_the_local_launcher_restarts_the_workers_after_a_killed_one(tmp_path):
+    # launch.max_restarts with launch.nproc=N: rank 1 is SIGKILLed after step 3, the launcher restarts
+    # the group once and the run ends at its last step (it used to end with exit 2 and a resume command).
+    run = tmp_path / "again"
+    cmd = [sys.executable, "-m", "subnetdp", *COMMON, "launch.nproc=2", "launch.max_restarts=1", "checkpoint.every=2",
+           f"run.dir={tmp_path}", "run.name=again"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", ck.KILL_AT_STEP: "3"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-5000:]
+    assert ck.fault_marker(run, ck.KILL_AT_STEP, 3, 1).exists()  # the SIGKILL happened
+    assert "restarted up to 1 time(s) after a failure" in proc.stdout
+    assert "the launcher restarts the workers (restart 1 of 1)" in proc.stderr, proc.stderr
+    assert re.search(r"resumed from \S+ \(step [23]\)", proc.stdout), proc.stdout
+    assert (run / "summary.json").is_file() and '"steps": 6' in (run / "summary.json").read_text()
+    assert "Traceback" not in console, console[-5000:]
+    _assert_no_process_left(run)

@@ -108,8 +108,9 @@ def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alo
 
     # The stopped run continues from its checkpoint to the end, with the command the line prints ...
     printed = shlex.split(lines[0].split("; continue with ", 1)[1])
-    assert printed[:2] == ["subnetdp", "train"] and "resume=auto" in printed and "launch.nproc=2" in printed
-    done = subprocess.run([*SUBNETDP, *printed[1:], f"train.steps={step + 1}"],
+    # The program as this job was started (python -m subnetdp), not a bare `subnetdp` that PATH may not find.
+    assert printed[1:4] == ["-m", "subnetdp", "train"] and "resume=auto" in printed and "launch.nproc=2" in printed
+    done = subprocess.run([*printed, f"train.steps={step + 1}"],
                           capture_output=True, text=True, env=ENV, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {saved} (step {step})" in done.stdout

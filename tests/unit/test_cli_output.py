@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from subnetdp.cli import main, recipe_summary
 from subnetdp.core.config import config_root
 from subnetdp.plan.budget import format_budget
@@ -76,6 +78,8 @@ def test_a_piped_run_prints_whole_log_lines_and_no_bar(tmp_path):
                            "run.name=piped"], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
-    assert [ln.split()[1] for ln in steps] == ["1", "2"] and "loss" in steps[0]
+    # Each plain line starts with its time (a batch job's log says when each step ended).
+    steps = [ln for ln in proc.stdout.splitlines() if " step " in ln and "loss" in ln]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step ", ln) for ln in steps), steps
+    assert [ln.split()[3] for ln in steps] == ["1", "2"]
     assert "\r" not in proc.stdout + proc.stderr  # no bar redrawn in place
