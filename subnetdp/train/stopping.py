@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,8 +173,11 @@ def requeue_job(environ: Any = None) -> str:
     if not job:
         return "not requeued: SLURM_JOB_ID is not set (not a SLURM job)"
     cmd = ["scontrol", "requeue", job]
+    exe = shutil.which("scontrol", path=env.get("PATH"))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S)
+        if exe is None:
+            raise FileNotFoundError("not found on PATH")
+        done = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S, env=dict(env))
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"requeue failed ({shlex.join(cmd)}: {e}); requeue it by hand"
     if done.returncode != 0:
