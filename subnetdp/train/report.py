@@ -123,6 +123,8 @@ class Reporter:
         self.seen_unit = "tokens" if ctx.spec.seq_len else "samples"
         self.seen_per_step = samples * (ctx.spec.seq_len or 1)
         self.flops_per_step = ctx.step_flops
+        # A resumed run (perhaps on another world size or plan) goes on from what its log last counted.
+        self.base = consumed_before(ctx.run_dir / "metrics.jsonl", meter.first - 1) if ctx.rank == 0 else (0, 0.0, 0.0)
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
@@ -188,19 +190,22 @@ class Reporter:
             print(line, flush=True)
 
     def consumed(self, step: int) -> dict[str, float]:
-        """What the world has consumed after ``step`` steps: ``train/{tokens,samples}_seen``, ``train/flops``."""
-        out = {f"train/{self.seen_unit}_seen": float(step * self.seen_per_step)}
+        """What the world has consumed after ``step`` steps: ``train/{tokens,samples}_seen``, ``train/flops``
+        (from the last counts logged before a resume, at this world's and plan's rate since)."""
+        since, seen, flops = self.base
+        out = {f"train/{self.seen_unit}_seen": seen + (step - since) * self.seen_per_step}
         if self.flops_per_step is not None:
-            out["train/flops"] = step * self.flops_per_step
+            out["train/flops"] = flops + (step - since) * self.flops_per_step
         return out
 
     def by_consumed(self, step: int, values: dict[str, float]) -> None:
         """``values`` again with tokens (samples) seen and training MFLOPs as the step axis, so runs of
         different coverages, or FLOP-matched against DDP, overlay on one x-axis (TensorBoard's steps
         are integers: FLOPs in millions keep a 1B model's whole run within int64)."""
-        self.log.scalars(step * self.seen_per_step, {f"by_{self.seen_unit}/{k}": v for k, v in values.items()})
-        if self.flops_per_step is not None:
-            self.log.scalars(round(step * self.flops_per_step / 1e6), {f"by_mflops/{k}": v for k, v in values.items()})
+        used = self.consumed(step)
+        self.log.scalars(round(used[f"train/{self.seen_unit}_seen"]), {f"by_{self.seen_unit}/{k}": v for k, v in values.items()})
+        if "train/flops" in used:
+            self.log.scalars(round(used["train/flops"] / 1e6), {f"by_mflops/{k}": v for k, v in values.items()})
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_eval_end(self, context: RunContext, step: int, metrics: dict[str, float], union: dict[str, Any],
@@ -255,6 +260,25 @@ def reporting(ctx: RunContext, meter: Meter) -> Iterator[Reporter]:
     finally:
         reporter.close()
         ctx.plugins.unregister(reporter)
+
+
+def consumed_before(metrics: Path, step: int) -> tuple[int, float, float]:
+    """The last counts of consumption ``metrics.jsonl`` logged at or before ``step``: (step, tokens or
+    samples seen, training FLOPs); zeros for a new run. Lines past ``step`` (logged after the
+    checkpoint a run resumes from) are not counted."""
+    best = (0, 0.0, 0.0)
+    if step < 1 or not metrics.is_file():
+        return best
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        seen = [v for k, v in record.items() if k in ("train/tokens_seen", "train/samples_seen")]
+        at = record.get("step")
+        if seen and isinstance(at, int) and at <= step:
+            best = (at, float(seen[0]), float(record.get("train/flops") or 0.0))
+    return best
 
 
 def show_bar(progress: bool | None) -> bool:
