@@ -74,8 +74,8 @@ def test_sbatch_script_srun_launch_and_requeue_on_sigusr1(tmp_path):
     assert [r["scontrol"] for r in _records(log) if "scontrol" in r] == [["requeue", "4242"]]
 
     # The requeued job: the same script and SLURM_JOB_ID continue from that checkpoint to the end.
-    again = subprocess.run([*job, f"train.steps={step + 2}"], capture_output=True, text=True, env=env, timeout=180)
+    again = subprocess.run([*job, f"train.steps={step + 1}"], capture_output=True, text=True, env=env, timeout=180)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {ck.step_dir(run, step)} (step {step})" in again.stdout
-    assert json.loads((run / "summary.json").read_text())["steps"] == step + 2
+    assert json.loads((run / "summary.json").read_text())["steps"] == step + 1
     assert len([r for r in _records(log) if "scontrol" in r]) == 1  # a job that ends is not requeued
