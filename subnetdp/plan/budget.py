@@ -123,6 +123,12 @@ class BudgetSearch:
         except (PlanError, ConfigError) as e:
             report = None
             self.tried.append({"overrides": overrides, "probe": probe_rank_coverage, "invalid": str(e)})
+        except (ValueError, RuntimeError) as e:
+            # A remedy the model cannot train with (BatchNorm at a micro-batch of 1): not an option.
+            report = None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.tried.append({"overrides": overrides, "probe": probe_rank_coverage,
+                               "invalid": f"the dry run fails: {first}"})
         if report is not None:
             peaks = [r["peak_memory_bytes"] for r in report["ranks"] if "peak_memory_bytes" in r]
             self.tried.append({"overrides": overrides, "probe": probe_rank_coverage, "max_peak_bytes": max(peaks)})

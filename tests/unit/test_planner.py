@@ -157,3 +157,14 @@ def test_plan_reports_the_failures_it_survives_and_the_coverage_for_one(coverage
     line = next(x for x in text.splitlines() if x.startswith("failures:"))
     assert (f"survives any {survived} of {world} ranks" in line) == (survived > 0)
     assert f"survives one failure here is {found:.4g}" in line
+
+
+def test_a_remedy_the_model_cannot_train_with_is_no_option():
+    """BatchNorm refuses a micro-batch of 1 (the last halving remedy): the search records the failed
+    dry run in one line and goes on, rather than ending in the dry run's traceback."""
+    from subnetdp.plan.budget import BudgetSearch
+
+    search = BudgetSearch(small_config(), 2, plugin_manager())
+    assert search.evaluate({"train.batch_size": 1, "train.grad_accum": 32, "masker.coverage": 1.0}) is None
+    failed = search.tried[-1]["invalid"]
+    assert failed.startswith("the dry run fails: Expected more than 1 value per channel") and "\n" not in failed
