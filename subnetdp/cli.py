@@ -198,9 +198,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if world < 1:
         raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")
     if ns.memory:
-        from subnetdp.plan.budget import budget_search, format_budget, parse_memory
+        from subnetdp.plan.budget import budget_search, format_budget, parse_margin, parse_memory
 
-        result = {"memory": ns.memory, **budget_search(cfg, world, pm, parse_memory(ns.memory, world))}
+        budgets, margin = parse_memory(ns.memory, world), parse_margin(ns.margin)
+        result = {"memory": ns.memory, **budget_search(cfg, world, pm, budgets, margin)}
         report = result.get("report")
         if ns.json:
             print(json.dumps(result, indent=2))
@@ -435,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="find the largest coverage whose estimated peak fits BUDGET per rank (24GiB), or one budget "
                         "per rank (80GiB,80GiB,24GiB,24GiB: heterogeneous ranks, masker.capacity); says what "
                         "would fit when nothing does")
+    p.add_argument("--margin", metavar="SHARE", default="0.1",  # budget.DEFAULT_MARGIN (not imported: --help stays quick)
+                   help="share of each --memory budget kept back for what the estimate does not count (the CUDA "
+                        "context, communicator buffers, fragmentation): 0.1 or 10%% (default 0.1)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("recipes", help="list the built-in recipes",
                        description="List the built-in recipes (configs/recipes) with their first comment line; "

@@ -748,6 +748,8 @@ class RunContext:
         tasks: ``eval.tasks``: the lm-eval tasks, loaded with their data at set-up; else None.
         flop_match: ``train.flop_matched``: the steps asked for, the steps trained (``cfg.train.steps``)
             and the plan's training-FLOP ratio; else None.
+        step_flops: training FLOPs of one step summed over all ranks (every micro-batch's forward
+            and backward, counted on ``meta``): the x-axis on which runs of any coverage compare.
     """
 
     cfg: "DictConfig"
@@ -761,6 +763,7 @@ class RunContext:
     lock: Any = None
     tasks: Any = None
     flop_match: Optional[dict] = None
+    step_flops: Optional[float] = None
 
     @property
     def rank(self) -> int:

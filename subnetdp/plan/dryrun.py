@@ -165,7 +165,9 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
                           clip=float(cfg.optim.clip_grad_norm), autocast=lambda: autocast)
 
         def step(n: int) -> None:
-            train_step(ctx, itertools.repeat(fbatch), step=n)
+            # The earlier step only creates the optimizer state (gradients are dropped before the
+            # measured one): one micro-batch makes the same state as all of them.
+            train_step(ctx if n == measured else dataclasses.replace(ctx, accum=1), itertools.repeat(fbatch), step=n)
 
         if measured > 1:
             averager.prepare()

@@ -11,6 +11,8 @@ the tracker the loop uses on its measured step when sharded; FSDP's bytes are co
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from typing import Any
 
@@ -61,7 +63,9 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
                               accum=micro_batches(int(cfg.train.grad_accum)), clip=float(cfg.optim.clip_grad_norm))
 
             def step(n: int) -> None:
-                train_step(ctx, itertools.repeat(fbatch), step=n)
+                # The earlier step only creates the optimizer state (gradients are dropped before the
+                # measured one): one micro-batch makes the same state as all of them.
+                train_step(ctx if n == measured else dataclasses.replace(ctx, accum=1), itertools.repeat(fbatch), step=n)
 
             measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
             if measured > 1:

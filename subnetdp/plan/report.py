@@ -78,8 +78,9 @@ def estimator_for(cfg: DictConfig) -> Any:
 
 
 def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True,
-                only_rank: int | None = None) -> dict[str, Any]:
-    """Everything ``subnetdp plan`` shows, as a JSON-ready dict (``only_rank``: dry-run that rank only)."""
+                only_rank: int | None = None, flops: bool = True) -> dict[str, Any]:
+    """Everything ``subnetdp plan`` shows, as a JSON-ready dict (``only_rank``: dry-run that rank only;
+    ``flops=False``: no FLOP count, which costs more than a dry run on the 1B model)."""
     data, spec, source, adapter, partition, plan = shape_plan(cfg, world_size, pm)
     report = plan.to_dict(partition)
     owner_sets, max_groups = len(plan.owner_sets()), int(cfg.sync.max_groups)
@@ -94,7 +95,7 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     if shard > 1:
         report["fsdp_shard_size"] = shard
     report["failures"] = failure_tolerance(cfg, pm, partition, plan.replicas(shard))
-    if estimate:
+    if estimate and flops:
         report["flops"] = flop_report(cfg, adapter, spec, partition, plan.replicas(shard), data)
     report["assumes"] = assumptions(cfg, spec)
     estimator = estimator_for(cfg)

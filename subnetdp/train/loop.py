@@ -25,7 +25,8 @@ from subnetdp.train.meter import Meter
 from subnetdp.train.report import reporting, summarise
 from subnetdp.train.setup import set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
-from subnetdp.train.stopping import Interrupted, StopRequest, continue_command, hold_for_test, stop_message
+from subnetdp.train.stopping import (REQUEUE_SIGNAL, Interrupted, StopRequest, continue_command, hold_for_test, requeue_job,
+                                     stop_message)
 
 
 class TrainedRun(NamedTuple):
@@ -147,4 +148,8 @@ def _stop(ctx: RunContext, ckpt: Checkpointer, step: int, who: dict[int, int]) -
         path = ckpt.save(step)  # collective: every rank agreed to stop after this step
     signum = who.get(ctx.rank) or who[min(who)]
     hint = continue_command(sys.argv, ctx.cfg.run.dir, str(ctx.cfg.run.name))
-    raise Interrupted(stop_message(who, step, path, hint) if ctx.rank == 0 else "", 128 + signum)
+    message = stop_message(who, step, path, hint) if ctx.rank == 0 else ""
+    if ctx.rank == 0 and REQUEUE_SIGNAL in who.values():
+        # SLURM's notice: every rank has written its part of the checkpoint (the save is collective).
+        message += "; " + requeue_job()
+    raise Interrupted(message, 128 + signum)

@@ -73,6 +73,14 @@ class RunLogger:
         if self.global_writer is not None:
             self.global_writer.add_text(tag, text, 0)
 
+    def histogram(self, tag: str, values: Any, step: int = 0) -> None:
+        if self.global_writer is not None:
+            import numpy as np
+
+            values = np.asarray(values)
+            # One bin per integer value: owner counts are small integers.
+            self.global_writer.add_histogram(tag, values, step, bins=np.arange(values.min(), values.max() + 2) - 0.5)
+
     def figure(self, tag: str, fig: Any, step: int = 0) -> None:
         if self.global_writer is not None:
             self.global_writer.add_figure(tag, fig, step)
@@ -110,10 +118,26 @@ class Reporter:
         self.bar: Any = None
         self.losses: list[float] = []  # this rank's losses since the last log step
         self.held: list[Callable[[], None]] = []  # an evaluation's lines: written after its step's line
+        self.logged_peak = 0
+        # What a step consumes over all ranks: samples (tokens for language models) and training FLOPs.
+        samples = ctx.world_size * int(cfg.train.batch_size) * int(cfg.train.grad_accum)
+        self.seen_unit = "tokens" if ctx.spec.seq_len else "samples"
+        self.seen_per_step = samples * (ctx.spec.seq_len or 1)
+        self.flops_per_step = ctx.step_flops
+        # A resumed run (perhaps on another world size or plan) goes on from what its log last counted.
+        self.base = consumed_before(ctx.run_dir / "metrics.jsonl", meter.first - 1) if ctx.rank == 0 else (0, 0.0, 0.0)
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
         write_start(context, state, self.log)
+        plan, r = state.plan, context.rank
+        units = max(1, plan.num_units)
+        # A scalar per rank (one curve per rank_N run), so coverages show as numbers, not only in the plan's image.
+        self.log.scalars(0, {"rank/coverage": len(plan.owned[r]) / units}, per_rank=True)
+        match = context.flop_match
+        if match is not None and r == 0:
+            print(f"train.flop_matched: {match['steps_requested']} -> {match['steps']} steps (the plan trains "
+                  f"{match['train_flop_ratio']:.3f} x the full model's FLOPs a step)", flush=True)
         if context.rank == 0 and show_bar(context.cfg.train.progress):
             from tqdm import tqdm
 
@@ -127,6 +151,10 @@ class Reporter:
             self.log.scalars(step, probe)
             self.log.jsonl({"step": step, **probe})
         self.log.scalars(step, {"rank/loss": metrics["loss"], "rank/step_time_s": metrics["step_time"]}, per_rank=True)
+        peak = self.meter.step_peak
+        if peak and peak != self.logged_peak:  # at the step that measured it (CPU), or when the CUDA peak grows
+            self.log.scalars(step, {"rank/peak_memory_bytes": peak}, per_rank=True)
+            self.logged_peak = peak
         if step % self.log_every == 0 or step == self.steps:
             self._log_step(context, state, step, metrics.get("grad_norm"))  # collective: the world's mean loss
             self.losses = []
@@ -147,9 +175,12 @@ class Reporter:
                   "train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}
         if ctx.spec.seq_len:  # language models: tokens per second over all ranks
             record["train/tokens_per_s"] = record["train/samples_per_s"] * ctx.spec.seq_len
+        record.update(self.consumed(step))
         self.log.scalars(step, {k: v for k, v in record.items() if k != "step"})
         self.log.jsonl(record)
-        self.log.scalars(step, self.meter.rank_scalars(step), per_rank=True)
+        self.by_consumed(step, {"train_loss": record["train/loss"]})
+        self.log.scalars(step, {k: v for k, v in self.meter.rank_scalars(step).items() if k != "rank/peak_memory_bytes"},
+                         per_rank=True)  # the peak has its own steps (subnetdp_on_step_end)
         self.log.scalars(step, state.synchronizer.log_figures(), per_rank=True)
         line = (f"step {step:>6}  loss {record['train/loss']:.4f}  lr {record['train/lr']:.4g}  "
                 f"{record['train/samples_per_s']:.0f} samples/s  {step_time * 1000:.0f} ms/step")
@@ -158,6 +189,24 @@ class Reporter:
             self.bar.write(line)
         elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines,
             print(f"{stamp()} {line}", flush=True)  # timestamped, so a job's log says when each step ended
+
+    def consumed(self, step: int) -> dict[str, float]:
+        """What the world has consumed after ``step`` steps: ``train/{tokens,samples}_seen``, ``train/flops``
+        (from the last counts logged before a resume, at this world's and plan's rate since)."""
+        since, seen, flops = self.base
+        out = {f"train/{self.seen_unit}_seen": seen + (step - since) * self.seen_per_step}
+        if self.flops_per_step is not None:
+            out["train/flops"] = flops + (step - since) * self.flops_per_step
+        return out
+
+    def by_consumed(self, step: int, values: dict[str, float]) -> None:
+        """``values`` again with tokens (samples) seen and training MFLOPs as the step axis, so runs of
+        different coverages, or FLOP-matched against DDP, overlay on one x-axis (TensorBoard's steps
+        are integers: FLOPs in millions keep a 1B model's whole run within int64)."""
+        used = self.consumed(step)
+        self.log.scalars(round(used[f"train/{self.seen_unit}_seen"]), {f"by_{self.seen_unit}/{k}": v for k, v in values.items()})
+        if "train/flops" in used:
+            self.log.scalars(round(used["train/flops"] / 1e6), {f"by_mflops/{k}": v for k, v in values.items()})
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_eval_end(self, context: RunContext, step: int, metrics: dict[str, float], union: dict[str, Any],
@@ -173,6 +222,7 @@ class Reporter:
                 when = "" if self.bar is not None else f"{stamp()} "  # a plain log line carries its time
                 tqdm.write(f"{when}eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in own.items()))
             self.log.scalars(step, {f"eval/{k}": v for k, v in own.items()})
+            self.by_consumed(step, {f"eval_{k}": v for k, v in own.items()})
             self.log.jsonl({"step": step, **{f"eval/{k}": v for k, v in own.items()}})
             if tasks:
                 scores = {f"lm_eval/{k}": v for k, v in tasks.items()}
@@ -214,6 +264,25 @@ def reporting(ctx: RunContext, meter: Meter) -> Iterator[Reporter]:
         ctx.plugins.unregister(reporter)
 
 
+def consumed_before(metrics: Path, step: int) -> tuple[int, float, float]:
+    """The last counts of consumption ``metrics.jsonl`` logged at or before ``step``: (step, tokens or
+    samples seen, training FLOPs); zeros for a new run. Lines past ``step`` (logged after the
+    checkpoint a run resumes from) are not counted."""
+    best = (0, 0.0, 0.0)
+    if step < 1 or not metrics.is_file():
+        return best
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        seen = [v for k, v in record.items() if k in ("train/tokens_seen", "train/samples_seen")]
+        at = record.get("step")
+        if seen and isinstance(at, int) and at <= step:
+            best = (at, float(seen[0]), float(record.get("train/flops") or 0.0))
+    return best
+
+
 def show_bar(progress: bool | None) -> bool:
     """``train.progress``: null (the default) shows the bar only when stderr (where tqdm writes) is a
     terminal, so piped and batch-job logs get whole lines instead of carriage-return updates."""
@@ -234,8 +303,10 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
     log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
     log.image("plan/ownership_matrix", plan.as_image())
     log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"]})
-    for u, k in enumerate(plan.owner_counts()):
-        log.scalars(u, {"plan/owner_count_by_unit": k})
+    counts = plan.owner_counts()
+    log.histogram("plan/owner_counts", counts)  # how many units have k owners; the unit is not a step
+    log.text("plan/owners_by_unit", "| unit | owners | ranks |\n|---|---|---|\n" + "\n".join(
+        f"| {names[u]} | {k} | {', '.join(map(str, plan.owners(u)))} |" for u, k in enumerate(counts)))
 
 
 def summarise(ctx: RunContext, state: "TrainState", meter: Meter, done: int, evaluation: "Evaluation | None",

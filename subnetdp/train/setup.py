@@ -25,6 +25,7 @@ from subnetdp.core.errors import ConfigError, RankMismatchError, SubnetdpError
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.construct import meta_model
+from subnetdp.sdp.flops import FlopRatios
 from subnetdp.sdp.variants import partition_model
 from subnetdp.train.checkpoints.resume import check_resume_source
 from subnetdp.train.evaluation import load_tasks
@@ -104,7 +105,10 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
         raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
                           "use comm.name=nccl for GPUs")
     data, spec, adapter, full, partition, plan = build_plan(cfg, env.world_size, pm)
-    flop_match = match_flops(cfg, adapter, spec, full, partition, plan, data)  # train.flop_matched
+    ratios = count_flops(cfg, adapter, spec, full, partition, plan, data)
+    flop_match = match_flops(cfg, ratios)  # train.flop_matched
+    # Every rank runs train.grad_accum micro-batches a step, each costing its share of the full model's.
+    step_flops = ratios.full_train_step * sum(ratios.per_rank_train_step) * int(cfg.train.grad_accum)
     if cfg.train.compile:
         from subnetdp.parallel.compile import require_compilable
 
@@ -119,7 +123,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
     frozen = copy.deepcopy(cfg)  # the caller keeps its own config; the run's cannot change under it
     OmegaConf.set_readonly(frozen, True)
     ctx = RunContext(cfg=frozen, env=env, comm=comm, plugins=pm, adapter=adapter, data=data, spec=spec,
-                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match)
+                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match, step_flops=step_flops)
     if on_context is not None:
         on_context(ctx)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
@@ -127,18 +131,22 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
     return ctx, TrainState.build(ctx, partition, plan, full)
 
 
-def match_flops(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, full: torch.nn.Module, partition: Partition,
-                plan: MaskPlan, data: DataModule) -> dict[str, Any] | None:
+def count_flops(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, full: torch.nn.Module, partition: Partition,
+                plan: MaskPlan, data: DataModule) -> FlopRatios:
+    """The plan's training-FLOP ratios, counted on ``meta`` (:mod:`subnetdp.sdp.flops`; the same on every
+    rank and in ``subnetdp plan``)."""
+    from subnetdp.sdp.flops import plan_flops
+
+    return plan_flops(adapter, full, partition, plan, cfg.masker, data.example_batch(spec, int(cfg.train.batch_size)))
+
+
+def match_flops(cfg: DictConfig, ratios: FlopRatios) -> dict[str, Any] | None:
     """``train.flop_matched``: set ``train.steps`` to the step count whose training FLOPs equal
     ``train.steps`` steps of the full model, ``round(steps / r)`` with ``r`` the plan's training-FLOP
-    ratio counted on ``meta`` (:mod:`subnetdp.sdp.flops`; the same on every rank and in ``subnetdp
-    plan``). Everything that follows the step count (the schedule, checkpoints, the end) then spans
+    ratio. Everything that follows the step count (the schedule, checkpoints, the end) then spans
     the new count. Returns what the summary records, or None."""
     if not cfg.train.flop_matched:
         return None
-    from subnetdp.sdp.flops import plan_flops
-
-    ratios = plan_flops(adapter, full, partition, plan, cfg.masker, data.example_batch(spec, int(cfg.train.batch_size)))
     requested = int(cfg.train.steps)
     OmegaConf.update(cfg, "train.steps", ratios.matched_steps(requested))
     return {"steps_requested": requested, "steps": int(cfg.train.steps), "train_flop_ratio": ratios.train_step}

@@ -16,6 +16,12 @@ by the stop line at the boundary (an elastic agent sends one to every worker whe
 died: those ranks then leave on the lost peer instead, and a notice of a stop that never comes would
 only mislead).
 
+SIGUSR1 is SLURM's pre-emption notice (``#SBATCH --signal=USR1@120``: sent to every task of the
+job's steps that many seconds before the time limit or a pre-emption): it stops the run as SIGTERM
+does, and then rank 0 asks SLURM to requeue the job (``scontrol requeue $SLURM_JOB_ID``, what
+Lightning does), whose script, started again with ``resume=auto``, continues from that checkpoint
+(:func:`requeue_job`).
+
 A signal that arrives before the loop starts (set-up, rendezvous, resuming) leaves at once too:
 there is nothing to save yet.
 
@@ -27,7 +33,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -38,7 +46,9 @@ import torch
 from subnetdp.core.errors import SubnetdpError
 from subnetdp.launchers.invocation import invoked_as
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_SIGNAL = signal.SIGUSR1  # SLURM's notice before a time limit or pre-emption (#SBATCH --signal=USR1@120)
+REQUEUE_TIMEOUT_S = 30  # scontrol asks slurmctld; a controller that does not answer must not hold the exit
 #: test-only: seconds a stopping rank waits before its checkpoint, so that a test's second signal
 #: is sure to arrive while the first stop is still under way (a fast step would race it).
 STOP_HOLD = "SUBNETDP_TEST_STOP_HOLD_S"
@@ -152,6 +162,31 @@ def continue_command(argv: Sequence[str], run_dir: Any, run_name: str) -> str:
     # The program as the user started it (.venv/bin/subnetdp, python -m subnetdp): a bare `subnetdp`
     # is not found where the virtual environment is not on PATH.
     return shlex.join([*invoked_as(), "train", *keep, "resume=auto", f"run.dir={run_dir}", f"run.name={run_name}"])
+
+
+def requeue_job(environ: Any = None) -> str:
+    """Ask SLURM to requeue this job (``scontrol requeue $SLURM_JOB_ID``); what happened, as a clause.
+
+    Called by rank 0 once the stop's checkpoint is written. A requeued job runs its batch script
+    again with the same ``SLURM_JOB_ID`` (so the same ``run.name`` when the script derives it from
+    the id), and ``resume=auto`` continues from the newest checkpoint.
+    """
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return "not requeued: SLURM_JOB_ID is not set (not a SLURM job)"
+    cmd = ["scontrol", "requeue", job]
+    exe = shutil.which("scontrol", path=env.get("PATH"))
+    try:
+        if exe is None:
+            raise FileNotFoundError("not found on PATH")
+        done = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=REQUEUE_TIMEOUT_S, env=dict(env))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"requeue failed ({shlex.join(cmd)}: {e}); requeue it by hand"
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()
+        return f"requeue failed ({shlex.join(cmd)} exited {done.returncode}: {why[-1] if why else 'no output'}); requeue it by hand"
+    return f"requeued SLURM job {job} ({shlex.join(cmd)}): it continues from this checkpoint when it starts again"
 
 
 def stop_message(who: dict[int, int], step: int, checkpoint: Any, resume_hint: str) -> str:

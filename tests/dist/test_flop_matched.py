@@ -1,7 +1,7 @@
 """``train.flop_matched``: a plan's training FLOPs, counted on ``meta``, set the step count (real gloo ranks).
 
 Two ranks at C = 0.5 train the tiny LLaMA for ``train.steps=6`` FLOP-matched: they must train
-``round(6 / r)`` steps, ``r`` the plan's training-FLOP ratio; the stretched cosine schedule must end
+``round(6 / r)`` steps, ``r`` the plan's training-FLOP ratio, and say so at the start; the stretched cosine schedule must end
 at the learning rate the unstretched one ends at; the summary records both counts; and a run resumed
 from the FLOP-matched run's step-4 checkpoint must continue the same schedule to the same tensors.
 """
@@ -38,13 +38,16 @@ def _train(rank: int, world: int, init_method: str, run_dir: str, extra: tuple[s
             "params": {n: digest(p) for n, p in state.model.named_parameters()}}
 
 
-def test_flop_matched_steps_schedule_summary_and_resume(tmp_path):
+def test_flop_matched_steps_schedule_summary_and_resume(tmp_path, capfd):
     first = run_ranks(_train, 2, tmp_path, str(tmp_path / "a"), ())
+    started = capfd.readouterr().out  # the spawned ranks write to the same file descriptors
     cfg = _config(tmp_path / "x")
     data, spec, adapter, full, partition, plan = build_plan(cfg, 2, plugin_manager())
     ratio = plan_flops(adapter, full, partition, plan, cfg.masker, data.example_batch(spec, 2)).train_step
     matched = round(6 / ratio)
     assert 0 < ratio < 1 and matched > 6
+    # The run says at its start how many steps it will train, once (rank 0).
+    assert started.count(f"train.flop_matched: 6 -> {matched} steps") == 1, started[-2000:]
     for r in first:
         assert r["steps"] == r["summary"]["steps"] == matched
         assert r["summary"]["flop_matched"] == {"steps_requested": 6, "steps": matched, "train_flop_ratio": ratio}

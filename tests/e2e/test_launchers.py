@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 COMMON = ["train", "resnet18_digits", "train.steps=12", "train.batch_size=16", "train.log_every=4",
@@ -25,7 +26,7 @@ def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 def _events(path: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "images": 0})
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
     return acc
 
@@ -67,10 +68,31 @@ def test_local_launcher_and_torchrun_agree_and_write_the_run_directory(tmp_path)
         assert tag in acc.Tags()["scalars"], tag
     assert [e.step for e in acc.Scalars("eval/accuracy")] == [6, 12]
     assert {"plan/ownership", "plan/ownership_matrix"} <= set(acc.Tags()["images"])
+    # Axes on which runs of any coverage overlay: samples seen (2 ranks x 16 a step) and training
+    # FLOPs (the plan's, counted on meta by the planner: 2 ranks x the mean rank's share of the full step).
+    from subnetdp.plan.report import plan_report
+    from tests.helpers import plugin_manager, small_config
+
+    flops = plan_report(small_config(*COMMON[2:]), 2, plugin_manager(), estimate=True, only_rank=0)["flops"]
+    per_step = 2 * flops["train_step"] * flops["full_train_step"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/samples_seen")] == [(s, s * 32) for s in (4, 8, 12)]
+    assert [e.value for e in acc.Scalars("train/flops")] == pytest.approx([s * per_step for s in (4, 8, 12)], rel=1e-6)
+    by_samples, by_flops = acc.Scalars("by_samples/train_loss"), acc.Scalars("by_mflops/train_loss")
+    assert [e.step for e in by_samples] == [128, 256, 384] and [e.step for e in by_flops] == [round(s * per_step / 1e6) for s in (4, 8, 12)]
+    assert [e.value for e in by_samples] == [e.value for e in by_flops] == [e.value for e in loss]
+    assert [e.step for e in acc.Scalars("by_samples/eval_accuracy")] == [192, 384]
+    # Owner counts as a histogram over the 8 units (each held by exactly one of the 2 ranks at C = 0.5),
+    # and a table; no scalar whose step axis is the unit index.
+    hist = acc.Histograms("plan/owner_counts")[0].histogram_value
+    assert (hist.num, hist.min, hist.max, hist.sum) == (8, 1, 1, 8)
+    assert "plan/owner_count_by_unit" not in acc.Tags()["scalars"]
+    assert "plan/owners_by_unit/text_summary" in acc.Tags()["tensors"]
     for r in range(2):
         per_rank = _events(tb / f"rank_{r}")
         mem = per_rank.Scalars("rank/peak_memory_bytes")
-        assert mem[-1].value == a["ranks"][r]["peak_memory_bytes"]
+        # Once, at the step that measured it (train.memory_step=2), not at every log step.
+        assert [(e.step, e.value) for e in mem] == [(2, a["ranks"][r]["peak_memory_bytes"])]
+        assert [(e.step, e.value) for e in per_rank.Scalars("rank/coverage")] == [(0, 0.5)]
         assert per_rank.Scalars("rank/bytes_sent_per_step")[-1].value > 0
     assert (tmp_path / "local" / "config.yaml").read_text().count("coverage: 0.5") == 1
     plan = json.loads((tmp_path / "local" / "plan.json").read_text())

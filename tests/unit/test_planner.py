@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from subnetdp.cli import main
-from subnetdp.plan.budget import budget_search, parse_memory
+from subnetdp.plan.budget import DEFAULT_MARGIN, budget_search, format_budget, parse_margin, parse_memory
 from subnetdp.core.config import config_root
 from subnetdp.train.configure import load_config
 from subnetdp.core.errors import ConfigError, SubnetdpError
@@ -47,6 +47,39 @@ def test_parse_memory():
         parse_memory("lots", 3)
 
 
+def test_parse_margin():
+    assert parse_margin("0.1") == parse_margin("10%") == DEFAULT_MARGIN == 0.1
+    assert parse_margin("0") == 0
+    for bad in ("1", "-0.1", "150%", "some", "nan"):
+        with pytest.raises(SubnetdpError, match="--margin"):
+            parse_margin(bad)
+
+
+def test_budget_keeps_a_margin_and_ranks_the_whole_model_with_checkpointing_first():
+    """The 1B recipe on 8 ranks with 24 GiB each: C = 0.6875 fills the budget to 23.89 GiB, but with
+    activation checkpointing the whole model fits at 18.04 GiB, and the README prefers C = 1."""
+    pm = plugin_manager()
+    cfg = load_config("llama_1b_fineweb", [], pm.registries)
+    budget = parse_memory("24GiB", 8)
+    result = budget_search(cfg, 8, pm, budget)
+    usable = int(24 * 2**30 * (1 - DEFAULT_MARGIN))
+    assert result["usable"] == [usable] * 8 and result["fits"]
+    first, last = result["options"][0], result["options"][-1]
+    assert first["coverage"] == 1 and first["remedy"] == {"train.activation_checkpointing": 1}, result["options"]
+    assert result["overrides"] == first["overrides"] and "train.activation_checkpointing=1" in first["overrides"]
+    assert result["coverage"] == 1 and result["report"]["ranks"][0]["peak_memory_bytes"] == first["max_peak_bytes"]
+    # Then the largest coverage that fits as configured, within the margin, the next one above it.
+    assert len(result["options"]) == 2 and last["coverage"] < 1 and last["remedy"] == {}
+    assert all(o["max_peak_bytes"] <= usable for o in result["options"])
+    assert last["next_max_peak_bytes"] > usable
+    # Each with its step cost: checkpointing recomputes a forward; a subnetwork trains fewer FLOPs.
+    assert first["step_flops"] > 1.2 > 1 > last["step_flops"] > 0
+    assert first["bytes_per_step"] > last["bytes_per_step"] > 0
+    text = format_budget({"memory": "24GiB", **result})
+    assert "planned to: 21.60 GiB (--margin 0.1" in text
+    assert "answer: option 1, the whole model with activation checkpointing" in text
+
+
 def _tiny(*overrides: str):
     return small_config("train.batch_size=2", "data.seq_len=32", *overrides, recipe="llama_tiny_stdlib")
 
@@ -61,13 +94,14 @@ def test_budget_search_uniform_and_per_rank():
     full, half, quarter = _peak(1.0), _peak(0.5), _peak(0.25)
     assert full > half > quarter
     budget = (full + half) // 2  # between the peaks of 2 and 4 of the 4 blocks
-    result = budget_search(cfg, 4, pm, [budget] * 4)
+    result = budget_search(cfg, 4, pm, [budget] * 4, margin=0)
     assert result["fits"] and result["max_peak_bytes"] <= budget
-    assert result["coverage"] in (0.5, 0.75) and result["next_max_peak_bytes"] > budget
-    if result["coverage"] == 0.5:
-        assert result["max_peak_bytes"] == half  # the plan's own estimate for that coverage
+    largest = result["options"][-1]  # after the whole model with a remedy, when one makes it fit
+    assert largest["coverage"] in (0.5, 0.75) and largest["next_max_peak_bytes"] > budget
+    if largest["coverage"] == 0.5:
+        assert largest["max_peak_bytes"] == half  # the plan's own estimate for that coverage
     # Too small for any coverage: it says what would fit, each answer within the budget.
-    small = budget_search(cfg, 4, pm, [quarter - 1] * 4)
+    small = budget_search(cfg, 4, pm, [quarter - 1] * 4, margin=0)
     assert not small["fits"] and small["would_fit"], small
     assert all(a["max_peak_bytes"] < quarter for a in small["would_fit"])
 
@@ -75,7 +109,7 @@ def test_budget_search_uniform_and_per_rank():
     # buckets a rank's gradients by other owner sets than the uniform plan, so leave a little room.
     room = (half - quarter) // 4
     budgets = [full, full, half + room, quarter + room]
-    het = budget_search(cfg, 4, pm, budgets)
+    het = budget_search(cfg, 4, pm, budgets, margin=0)
     assert het["fits"], het
     assert het["capacity"] == [1.0, 1.0, 0.5, 0.25]
     report = het["report"]
@@ -123,3 +157,14 @@ def test_plan_reports_the_failures_it_survives_and_the_coverage_for_one(coverage
     line = next(x for x in text.splitlines() if x.startswith("failures:"))
     assert (f"survives any {survived} of {world} ranks" in line) == (survived > 0)
     assert f"survives one failure here is {found:.4g}" in line
+
+
+def test_a_remedy_the_model_cannot_train_with_is_no_option():
+    """BatchNorm refuses a micro-batch of 1 (the last halving remedy): the search records the failed
+    dry run in one line and goes on, rather than ending in the dry run's traceback."""
+    from subnetdp.plan.budget import BudgetSearch
+
+    search = BudgetSearch(small_config(), 2, plugin_manager())
+    assert search.evaluate({"train.batch_size": 1, "train.grad_accum": 32, "masker.coverage": 1.0}) is None
+    failed = search.tried[-1]["invalid"]
+    assert failed.startswith("the dry run fails: Expected more than 1 value per channel") and "\n" not in failed

@@ -210,7 +210,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'RunContext': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None, flop_match: \'Optional[dict]\' = None) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None, flop_match: \'Optional[dict]\' = None, step_flops: \'Optional[float]\' = None) -> None',
         'rank: property',
         'world_size: property',
     ],
@@ -292,6 +292,7 @@ FROZEN_CLI: dict[str, list[str]] = {
     ],
     'plan': [
         '--json',
+        '--margin',
         '--memory',
         '--no-estimate',
         '--png',
