@@ -91,10 +91,12 @@ class _ResetInit:
     def init_module(self, name: str, module: nn.Module) -> None:
         if self.init is not None:
             self.init(name, module)
+        elif callable(getattr(self.root, "_init_weights", None)):
+            self.root._init_weights(module)  # a transformers model: its config's initializer_range
         elif callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
-        elif callable(getattr(self.root, "_init_weights", None)):
-            self.root._init_weights(module)
+        elif callable(getattr(module, "_reset_parameters", None)):
+            module._reset_parameters()  # nn.MultiheadAttention, nn.Transformer: torch's private spelling
 
 
 def _check_meta(model: nn.Module) -> None:
