@@ -81,9 +81,14 @@ def _worker(rank: int, world: int, init_method: str) -> dict:
     # Below coverage 1: 3 of 4 layers each (cyclic: rank 0 holds 0-2, rank 1 holds 2, 3, 0).
     sdp = subnetdp.parallelize(_meta(), units="layers.*", coverage=0.75, seed=3, skip="identity")
     opt = torch.optim.AdamW(sdp.parameters(), lr=0.05)
-    out["copies"] = []
+    out["copies"], out["grads"], out["norms"] = [], [], []
+
+    def clip() -> None:  # the averaged gradients as they stand before clipping, and the norm clipped by
+        out["grads"].append({sdp.pmap.pieces[n][0].global_name: p.grad.clone() for n, p in sdp.module.named_parameters()})
+        out["norms"].append(float(sdp.clip_grad_norm_(0.5)))
+
     for step in range(3):
-        _step(sdp, opt, rank, step, lambda: sdp.clip_grad_norm_(0.5))
+        _step(sdp, opt, rank, step, clip)
         out["copies"].append({sdp.pmap.pieces[n][0].global_name: p.detach().clone()
                               for n, p in sdp.module.named_parameters()})
     out["units"], out["held"], out["bytes"] = sdp.units_held, sdp.params_held, sdp.bytes_per_step
@@ -119,6 +124,13 @@ def test_parallelize_in_a_user_loop(tmp_path):
         common = sorted(set(a) & set(b))
         assert {n.split(".")[1] for n in common if n.startswith("layers.")} == {"0", "2"}
         assert all(torch.equal(a[n], b[n]) for n in common)
+    # The clipping norm is the union gradient's, each co-owned block counted once.
+    for a, b, n0, n1 in zip(r0["grads"], r1["grads"], r0["norms"], r1["norms"]):
+        assert all(torch.equal(a[n], b[n]) for n in set(a) & set(b))
+        union = {**a, **b}
+        assert len(union) == len(list(Net().parameters()))
+        expected = torch.sqrt(sum(g.double().pow(2).sum() for g in union.values())).item()
+        assert n0 == n1 and n0 == pytest.approx(expected, rel=1e-6)  # returned as float32, as torch does
     # A rank holds exactly its units: the shared tensors and three blocks, the skipped one as SkipBlock.
     net = Net()
     block = sum(p.numel() for p in net.layers[0].parameters())
