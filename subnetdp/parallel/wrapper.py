@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, Handle, LaunchEnv, MaskerConfig, Partition
@@ -214,6 +217,30 @@ class SubnetworkParallel(nn.Module):
         with torch.no_grad():
             for local, t in self.module.state_dict(keep_vars=True).items():
                 t.copy_(state[self.pmap.pieces[local][0].global_name])
+
+    def _dcp_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        model = {self.pmap.pieces[n][0].global_name: t for n, t in self.module.state_dict().items()}
+        state: dict[str, Any] = {"model": model}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(self.module, optimizer)
+        return state
+
+    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write the model (and ``optimizer``) with torch's distributed checkpoint (DCP). Collective.
+
+        Every rank hands in all it holds under the full model's names; DCP keeps one copy of a tensor
+        several ranks hand in (its owners hold it bit-identical), so each piece is written once.
+        """
+        # collective: DCP plans the write over every rank.
+        dcp.save(self._dcp_state(optimizer), checkpoint_id=str(path))
+
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read this rank's tensors (and ``optimizer``'s state) from a :meth:`save` directory. Collective."""
+        state = self._dcp_state(optimizer)
+        # collective: DCP plans the read over every rank.
+        dcp.load(state, checkpoint_id=str(path))
+        if optimizer is not None:
+            set_optimizer_state_dict(self.module, optimizer, state["optim"])
 
     def export(self, model: nn.Module) -> nn.Module:
         """Load the union model into ``model``, an instance of the user's own class. Collective."""
