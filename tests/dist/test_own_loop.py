@@ -175,3 +175,39 @@ def test_parallelize_in_a_user_loop(tmp_path):
 def test_parallelize_needs_a_process_group():
     with pytest.raises(ConfigError, match="init_process_group"):
         subnetdp.parallelize(_meta(), units="layers.*")
+
+
+def _framework_and_wrapper(rank: int, world: int, init_method: str, cache: str) -> dict:
+    from subnetdp.sdp.construct import meta_model
+    from subnetdp.train.setup import build_plan
+    from tests.helpers import lm_config, plugin_manager, train_gathered
+
+    cfg = lm_config(init_method, cache, "masker.coverage=0.5", "optim.warmup_steps=0", "optim.schedule=constant")
+    framework, _, _ = train_gathered(cfg, rank, world)  # the framework's loop, then its group is gone
+    dist.init_process_group("gloo", init_method=init_method + "-own", rank=rank, world_size=world)
+    data, spec, adapter, _, _, plan = build_plan(cfg, world, plugin_manager())
+    model = subnetdp.parallelize(meta_model(adapter, spec), units="layers.*", coverage=0.5, seed=int(cfg.seed),
+                                 init=adapter.init_module)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                            weight_decay=cfg.optim.weight_decay)
+    batches = iter(data.train_loader(rank, world, int(cfg.train.batch_size)))
+    for _ in range(int(cfg.train.steps)):  # a user's loop: the adapter only lends its loss
+        adapter.training_loss(model, next(batches)).backward()
+        opt.step()
+        opt.zero_grad()
+    ours = {model.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in model.module.named_parameters()}
+    dist.destroy_process_group()
+    return {"framework": framework, "ours": ours, "same_plan": plan.owned == model.plan.owned}
+
+
+def test_framework_loop_and_user_loop_agree(tmp_path):
+    """The same plan, data and seed give the same parameters through the framework's loop and the wrapper."""
+    from subnetdp.plugins.data.tokens import TokensConfig, TokensData
+
+    cache = tmp_path / "cache"
+    TokensData(TokensConfig(root="stdlib", cache_dir=str(cache), stdlib_max_mb=0.5), seed=0).check()  # once, before the ranks
+    for r, res in enumerate(run_ranks(_framework_and_wrapper, 2, tmp_path, str(cache), timeout=300)):
+        assert res["same_plan"]
+        assert res["framework"].keys() == res["ours"].keys()
+        for name, value in res["framework"].items():
+            assert torch.equal(value, res["ours"][name]), f"rank {r} {name}"
