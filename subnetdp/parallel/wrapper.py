@@ -28,12 +28,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch import nn
 
-from subnetdp.core.contracts import Communicator, Handle, LaunchEnv, MaskerConfig, Partition
-from subnetdp.core.errors import ConfigError, SubnetdpError
+from subnetdp.core.contracts import (Communicator, DataSpec, Handle, LaunchEnv, Masker, MaskerConfig, ModelAdapter,
+                                     ParamMap, Partition)
+from subnetdp.core.errors import ConfigError
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.construct import Initialiser, initialise
 from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.variants import local_model, partition_model
 from subnetdp.sdp.units import Skip, block_partition, drop_units, find_units, global_map, skip_module
 
 
@@ -120,12 +122,10 @@ class SubnetworkParallel(nn.Module):
         averager: the owner-bucket averaging (shared with the framework's loop).
     """
 
-    def __init__(self, module: nn.Module, plan: MaskPlan, partition: Partition, comm: Communicator,
+    def __init__(self, module: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition, comm: Communicator,
                  bucket_cap_mb: float) -> None:
         super().__init__()
-        self.module, self.plan, self.partition, self.comm = module, plan, partition, comm
-        self.pmap = global_map(module, {id(t): n for n, t in list(module.named_parameters())
-                                        + list(module.named_buffers())})
+        self.module, self.pmap, self.plan, self.partition, self.comm = module, pmap, plan, partition, comm
         self.averager = OwnerGroupAverager(module, self.pmap, plan, partition, comm, bucket_cap_mb=bucket_cap_mb)
         self._fresh = True  # the next forward starts a new step (gradients are collected anew)
         self._queued = False
@@ -248,15 +248,30 @@ class SubnetworkParallel(nn.Module):
         return model
 
 
-def parallelize(model: nn.Module, units: str | Sequence[str], coverage: float = 0.5, seed: int = 0,
+def _adapter_subnetwork(model: nn.Module, adapter: ModelAdapter, spec: DataSpec | None, mcfg: MaskerConfig,
+                        masker: Masker, seed: int, device: torch.device | str) -> tuple[nn.Module, ParamMap, MaskPlan, Partition]:
+    """A registered adapter's partition, plan and materialised blocks (the framework's own path)."""
+    if spec is None:
+        raise ConfigError("spec", None, "an adapter's partition needs the data's DataSpec", "pass spec=data.spec()")
+    skeleton = copy.deepcopy(model)
+    partition = partition_model(adapter, model, mcfg, spec)
+    plan = make_plan(masker, partition, dist.get_world_size(), seed, int(mcfg.min_owners))
+    local, pmap = local_model(adapter, model, plan.owned[dist.get_rank()], partition, mcfg)
+    initialise(local, pmap, Initialiser(skeleton, adapter, seed), device)
+    return local, pmap, plan, partition
+
+
+def parallelize(model: nn.Module, units: str | Sequence[str] | ModelAdapter, coverage: float = 0.5, seed: int = 0,
                 masker: str = "cyclic", skip: Skip = None, device: torch.device | str = "cpu",
                 init: Callable[[str, nn.Module], None] | None = None, bucket_cap_mb: float = 25.0,
-                min_owners: int = 1) -> SubnetworkParallel:
+                min_owners: int = 1, spec: DataSpec | None = None) -> SubnetworkParallel:
     """Wrap a meta-device ``model`` so this rank trains its own subnetwork (SDP).
 
     Args:
         model: the full model, built under ``torch.device("meta")``.
-        units: module paths of the units: a glob (``"layers.*"``; ``*`` is one path component) or a list.
+        units: module paths of the units: a glob (``"layers.*"``; ``*`` is one path component) or a list;
+            or a registered :class:`ModelAdapter` (with ``spec``): its block partition, skip rules and
+            initialisation, as the framework's loop uses them.
         coverage: the share of units each rank keeps (1: every rank keeps all, as DDP).
         seed: the plan's and the initialisation's seed (the same on every rank).
         masker: a registered masker (``cyclic``, ``random``, ``balanced``).
@@ -273,13 +288,16 @@ def parallelize(model: nn.Module, units: str | Sequence[str], coverage: float = 
         raise ConfigError("process group", "not initialised", "parallelize averages among ranks",
                           "call torch.distributed.init_process_group first (torchrun sets its environment)")
     _check_meta(model)
+    mcfg = MaskerConfig(name=masker, coverage=float(coverage), min_owners=min_owners)
+    masker_obj = PluginManager().registries["masker"].create(masker, mcfg)
+    comm = ProcessGroupCommunicator(torch.device(device))
+    if isinstance(units, ModelAdapter):
+        local, pmap, plan, partition = _adapter_subnetwork(model, units, spec, mcfg, masker_obj, seed, device)
+        return SubnetworkParallel(local, pmap, plan, partition, comm, bucket_cap_mb)
     names = find_units(model, units)
     skeleton = copy.deepcopy(model)  # the full model on meta: the initialiser reads shapes from it
     skips = {n: skip_module(n, model.get_submodule(n), skip) for n in names}
     partition = block_partition(model, names, skips)
-    pm = PluginManager()
-    mcfg = MaskerConfig(name=masker, coverage=float(coverage), min_owners=min_owners)
-    masker_obj = pm.registries["masker"].create(masker, mcfg)
     plan = make_plan(masker_obj, partition, dist.get_world_size(), seed, min_owners)
     rank = dist.get_rank()
     global_names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
@@ -287,5 +305,4 @@ def parallelize(model: nn.Module, units: str | Sequence[str], coverage: float = 
     drop_units(model, {n: skips[n] for i, n in enumerate(names) if i not in owned})
     pmap = global_map(model, global_names)
     initialise(model, pmap, Initialiser(skeleton, _ResetInit(skeleton, init), seed), device)
-    comm = ProcessGroupCommunicator(torch.device(device))
-    return SubnetworkParallel(model, plan, partition, comm, bucket_cap_mb)
+    return SubnetworkParallel(model, pmap, plan, partition, comm, bucket_cap_mb)

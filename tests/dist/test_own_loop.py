@@ -186,18 +186,21 @@ def _framework_and_wrapper(rank: int, world: int, init_method: str, cache: str) 
     framework, _, _ = train_gathered(cfg, rank, world)  # the framework's loop, then its group is gone
     dist.init_process_group("gloo", init_method=init_method + "-own", rank=rank, world_size=world)
     data, spec, adapter, _, _, plan = build_plan(cfg, world, plugin_manager())
-    model = subnetdp.parallelize(meta_model(adapter, spec), units="layers.*", coverage=0.5, seed=int(cfg.seed),
-                                 init=adapter.init_module)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                            weight_decay=cfg.optim.weight_decay)
-    batches = iter(data.train_loader(rank, world, int(cfg.train.batch_size)))
-    for _ in range(int(cfg.train.steps)):  # a user's loop: the adapter only lends its loss
-        adapter.training_loss(model, next(batches)).backward()
-        opt.step()
-        opt.zero_grad()
-    ours = {model.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in model.module.named_parameters()}
+    out = {"framework": framework}
+    for way, units in (("glob", "layers.*"), ("adapter", adapter)):  # units by path, or the adapter's partition
+        model = subnetdp.parallelize(meta_model(adapter, spec), units=units, coverage=0.5, seed=int(cfg.seed),
+                                     init=adapter.init_module, spec=spec)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        batches = iter(data.train_loader(rank, world, int(cfg.train.batch_size)))
+        for _ in range(int(cfg.train.steps)):  # a user's loop: the adapter only lends its loss
+            adapter.training_loss(model, next(batches)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[way] = {model.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in model.module.named_parameters()}
+        out[f"{way}_plan"] = plan.owned == model.plan.owned
     dist.destroy_process_group()
-    return {"framework": framework, "ours": ours, "same_plan": plan.owned == model.plan.owned}
+    return out
 
 
 def test_framework_loop_and_user_loop_agree(tmp_path):
@@ -207,7 +210,8 @@ def test_framework_loop_and_user_loop_agree(tmp_path):
     cache = tmp_path / "cache"
     TokensData(TokensConfig(root="stdlib", cache_dir=str(cache), stdlib_max_mb=0.5), seed=0).check()  # once, before the ranks
     for r, res in enumerate(run_ranks(_framework_and_wrapper, 2, tmp_path, str(cache), timeout=300)):
-        assert res["same_plan"]
-        assert res["framework"].keys() == res["ours"].keys()
-        for name, value in res["framework"].items():
-            assert torch.equal(value, res["ours"][name]), f"rank {r} {name}"
+        for way in ("glob", "adapter"):
+            assert res[f"{way}_plan"]
+            assert res["framework"].keys() == res[way].keys()
+            for name, value in res["framework"].items():
+                assert torch.equal(value, res[way][name]), f"rank {r} {way} {name}"
