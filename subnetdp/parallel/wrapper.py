@@ -134,7 +134,8 @@ class SubnetworkParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fresh and torch.is_grad_enabled():
-            self.averager.prepare()
+            # A loop that did not zero the gradients accumulates onto the averaged ones, as with DDP.
+            self.averager.prepare(keep_grads=any(p.grad is not None for p in self.averager.params.values()))
             self._fresh = False
         return self.module(*args, **kwargs)
 
@@ -156,6 +157,7 @@ class SubnetworkParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the averaged full model's gradient, each unit counted once. Collective."""
+        # collective: every rank (one world all-reduce of the squared norms below C = 1).
         return torch.tensor(self.averager.clip_grad_norm_(max_norm))
 
     @property

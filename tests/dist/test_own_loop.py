@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -53,7 +54,9 @@ def _batches(rank: int, step: int) -> list[torch.Tensor]:
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int, clip) -> None:
     first, last = _batches(rank, step)
-    with model.no_sync():  # gradient accumulation: the first micro-batch stays local
+    # Gradient accumulation: the first micro-batch stays local under no_sync on even steps; on odd
+    # steps both backward passes average and the second adds to the first's averages (as DDP does).
+    with model.no_sync() if step % 2 == 0 else contextlib.nullcontext():
         (model(first).pow(2).mean() / 2).backward()
     (model(last).pow(2).mean() / 2).backward()
     clip()
