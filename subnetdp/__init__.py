@@ -31,3 +31,13 @@ __all__ = [
     "SubnetdpError", "TensorSlice", "TrainStateView", "Unit",
     "doc", "group_units", "hookimpl", "plain_name_problem", "rank_coverages", "suggest", "units_kept",
 ]
+
+
+def __getattr__(name: str):
+    """``subnetdp.parallelize``, loaded on first use: it stands on ``torch.distributed`` (``parallel/``),
+    which a plugin importing the contracts from ``subnetdp`` must not pull in."""
+    if name in ("parallelize", "SubnetworkParallel"):
+        from subnetdp.parallel import wrapper
+
+        return getattr(wrapper, name)
+    raise AttributeError(f"module 'subnetdp' has no attribute {name!r}")

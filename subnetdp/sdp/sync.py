@@ -406,8 +406,14 @@ class OwnerGroupAverager(EveryStepSync):
         return all(s.dim == 0 for s in ordered)
 
     # ------------------------------------------------------------------ per step
-    def prepare(self) -> None:
-        """Zero the buckets and point ``.grad`` of viewable parameters into them (replaces ``zero_grad``)."""
+    def prepare(self, keep_grads: bool = False) -> None:
+        """Zero the buckets and point ``.grad`` of viewable parameters into them (replaces ``zero_grad``).
+
+        ``keep_grads``: the gradients already in ``.grad`` stay, and the coming backward adds to them
+        (a user loop that did not zero them: DDP accumulates averaged gradients the same way).
+        """
+        # Cloned: a kept gradient may be a view into the bucket zeroed below.
+        kept = {n: p.grad.clone() for n, p in self.params.items() if p.grad is not None} if keep_grads else {}
         for name, p in self.params.items():
             p.grad = None
         for b in self.buckets:
@@ -420,6 +426,11 @@ class OwnerGroupAverager(EveryStepSync):
         for name, (b, off) in self._view.items():
             p = self.params[name]
             p.grad = b.buffer[off:off + p.numel()].view_as(p)
+        for name, g in kept.items():
+            if name in self._view:
+                self.params[name].grad.copy_(g)
+            else:
+                self.params[name].grad = g
         self._flags, self._carried = None, None
         self._copied: set[str] = set()
         self._next = {owners: 0 for owners in self._order}

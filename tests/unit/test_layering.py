@@ -24,6 +24,10 @@ DIST_ALLOWED = ("plugins/comm/", "parallel/", "launchers/")
 BACKENDS = ("torch.distributed", "mpi4py")
 WINGS = ("plan", "evaluate", "tools")  # the commands' rooms: each stands on the floors it needs
 
+#: ``subnetdp.parallelize`` (``parallel/wrapper.py``) is reached through the api's module ``__getattr__``
+#: only, on first use: a plugin importing the contracts from ``subnetdp`` never loads it (checked below).
+LAZY_ENTRANCE = "subnetdp.parallel.wrapper"
+
 # floor -> the floors its modules may import (itself included)
 MAY_IMPORT = {
     "api": {"api", "core"},
@@ -66,7 +70,12 @@ def plugin_kind(mod: str) -> str | None:
 def direct_imports(mod: str) -> frozenset[str]:
     """Every module ``mod`` imports anywhere in its source, resolved to package modules where possible."""
     out = set()
-    for node in ast.walk(ast.parse(MODULES[mod].read_text())):
+    tree = ast.parse(MODULES[mod].read_text())
+    lazy = {id(n) for f in ast.walk(tree) if mod == "subnetdp" and isinstance(f, ast.FunctionDef)
+            and f.name == "__getattr__" for n in ast.walk(f)}  # see LAZY_ENTRANCE
+    for node in ast.walk(tree):
+        if id(node) in lazy:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -238,3 +247,12 @@ def test_no_import_cycle_outside_core():
     # that cannot be read (or moved) one without the other, as export and hf once were.
     cycles = [c for c in import_cycles() if any(floor(m) != "core" for m in c)]
     assert cycles == [], cycles
+
+
+def test_the_public_wrapper_is_loaded_on_first_use_only():
+    import subprocess
+    import sys
+
+    code = ("import sys, subnetdp; assert 'subnetdp.parallel' not in sys.modules; "
+            "f = subnetdp.parallelize; assert f.__module__ == %r and 'subnetdp.parallel' in sys.modules" % LAZY_ENTRANCE)
+    subprocess.run([sys.executable, "-c", code], check=True)
