@@ -350,7 +350,9 @@ class ShardedOwnerAverager(EveryStepSync):
                     size += numel
         self._sync = True
 
-    def prepare(self) -> None:
+    def prepare(self, keep_grads: bool = False) -> None:
+        if keep_grads:  # the coming backward adds to the gradients already there
+            return
         for p in self.params.values():
             p.grad = None
 

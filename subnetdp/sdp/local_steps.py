@@ -167,9 +167,9 @@ class LocalStepsSynchronizer:
         return self.local
 
     # ------------------------------------------------------------------ inner steps (no collective)
-    def prepare(self) -> None:
+    def prepare(self, keep_grads: bool = False) -> None:
         """Drop the last step's gradients (the per-step synchroniser's buckets hold them)."""
-        self.buckets.prepare()
+        self.buckets.prepare(keep_grads)
         self._loss_flags = None
 
     @contextlib.contextmanager

@@ -157,8 +157,12 @@ class GradSynchronizer(Protocol):
     #: owner writes its own copy to a checkpoint instead of one writer per piece.
     owners_diverge: bool
 
-    def prepare(self) -> None:
-        """Drop the last step's gradients (before the memory baseline of a measured step)."""
+    def prepare(self, keep_grads: bool = False) -> None:
+        """Drop the last step's gradients (before the memory baseline of a measured step).
+
+        ``keep_grads``: keep them instead, so the coming backward adds to them (a user loop that did not
+        zero its gradients, as DDP accumulates).
+        """
 
     def no_sync(self) -> ContextManager[None]:
         """Accumulate gradients locally: no collective inside the block."""
