@@ -85,6 +85,20 @@ class MaskPlan:
         counts = self.owner_counts()
         return (min(counts) if counts else self.world_size) - 1
 
+    def node_failures_survived(self, nodes: int) -> int:
+        """How many whole nodes may die at once, with ``nodes`` nodes of ``world_size // nodes`` ranks
+        each (rank ``r`` on node ``r // per_node``, as torchrun numbers them).
+
+        A node is the usual unit of failure on a cluster: a unit whose owners share one node is lost
+        with it, however many owners it has. ``min_u (distinct nodes of u's owners) - 1``.
+        """
+        if nodes < 1 or self.world_size % nodes:
+            raise PlanError(f"--nodes={nodes}: the world of {self.world_size} ranks does not split into "
+                            f"{nodes} equal nodes; give a divisor of {self.world_size}")
+        per_node = self.world_size // nodes
+        spans = [len({r // per_node for r in owners}) for owners in self._owners]
+        return (min(spans) if spans else nodes) - 1
+
     # ---------------------------------------------------------------- validation
     def validate(self, min_owners: int = 1, names: Sequence[str] | None = None,
                  hint: Callable[[], str] | None = None) -> None:

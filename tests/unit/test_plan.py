@@ -102,3 +102,18 @@ def test_digest_and_json_round_trip(partition):
 def test_plan_rejects_units_outside_partition():
     with pytest.raises(PlanError, match="owns unit 5"):
         MaskPlan(2, [[0, 5], [1]], 3)
+
+
+def test_node_losses_count_the_nodes_a_unit_spans_not_its_owners():
+    from subnetdp.core.errors import PlanError as _PlanError
+    from subnetdp.core.plan import MaskPlan as _MaskPlan
+
+    # 2 nodes x 2 ranks; unit 0 on ranks 0,1 (both on node 0), unit 1 on ranks 1,2 (across nodes).
+    plan = _MaskPlan(4, [[0], [0, 1], [1], []], 2)  # the units each rank owns
+    assert plan.failures_survived() == 1  # any one rank may die...
+    assert plan.node_failures_survived(2) == 0  # ...but node 0 takes unit 0 with it
+    assert plan.node_failures_survived(1) == 0 and plan.node_failures_survived(4) == 1  # one rank per node
+    across = _MaskPlan(4, [[0], [1], [0], [1]], 2)  # each unit on a rank of node 0 and one of node 1
+    assert across.node_failures_survived(2) == 1
+    with pytest.raises(_PlanError, match="--nodes=3"):
+        plan.node_failures_survived(3)

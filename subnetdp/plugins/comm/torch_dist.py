@@ -121,6 +121,18 @@ def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace
     return silent
 
 
+def round_prefix(store: Any, rank: int) -> str:
+    """The store prefix of this rendezvous round, the same on every agent's workers.
+
+    ``TORCHELASTIC_RESTART_COUNT`` is per agent: when only one node's agent restarts, the survivor is
+    at attempt 1 and the fresh agent at 0, and their workers would meet under different prefixes (a
+    hang until ``comm.timeout_s``). Every round restarts every worker, so each rank joins the shared
+    store once per round: the count of rank ``rank``'s joins is the round, on every rank alike.
+    """
+    joins = int(store.add(f"subnetdp/joins/{rank}", 1))
+    return f"subnetdp/round-{joins}"
+
+
 def arrival_error(comm: Communicator, init_method: str, timeout: float, error: BaseException) -> str:
     """A message for a world that did not assemble: how many processes were expected, how many came."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -156,15 +168,15 @@ class TorchDistCommunicator(Communicator):
         timeout = float(self.cfg.timeout_s)
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout), **self._init_kwargs()}
         init_method = str(self.cfg.init_method)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
-        elif attempt is not None and init_method == "env://":
+        elif elastic and init_method == "env://":
             # torchrun keeps one agent store across restarts of the group, and the keys the process
             # group writes carry no attempt number: a restarted rank could read a dead peer's
-            # address. A prefix per attempt keeps every attempt's keys apart.
+            # address. A prefix per round keeps every round's keys apart.
             store, _, _ = next(dist.rendezvous(init_method, self.rank, self.world_size, timeout=kwargs["timeout"]))
-            kwargs["store"] = dist.PrefixStore(f"subnetdp/attempt-{attempt}", store)
+            kwargs["store"] = dist.PrefixStore(round_prefix(store, self.rank), store)
         else:
             if init_method == "env://":
                 rendezvous(self.env)  # mpirun / srun: MASTER_ADDR and MASTER_PORT from rank 0
