@@ -32,3 +32,19 @@ def _temporary_directory_stays_small(request, tmp_path):
     size = _size(path)
     assert size <= TMP_LIMIT_BYTES, (f"{request.node.nodeid} left {size / 2**20:.0f} MiB in {path} (limit "
                                      f"{TMP_LIMIT_BYTES / 2**20:.0f} MiB): hand back digests or samples, not whole models")
+
+
+# Folders and files whose tests spawn process groups, run torchrun, kill ranks or install packages:
+# each takes more than ~8 s, so the quick tier (`-m "not slow"`) leaves them out. Marking by place
+# keeps a new test there in the slow tier without anyone remembering the decorator.
+_SLOW_DIRS = ("tests/dist/", "tests/e2e/")
+_SLOW_FILES = ("tests/plugins/test_plugin_compat.py", "tests/plugins/test_plugin_template.py")
+_SLOW_TESTS = ("tests/unit/test_planner.py::test_budget_keeps_a_margin_and_ranks_the_whole_model_with_checkpointing_first",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid
+        path = nodeid.split("::", 1)[0]
+        if path.startswith(_SLOW_DIRS) or path in _SLOW_FILES or nodeid in _SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
