@@ -39,7 +39,12 @@ def _temporary_directory_stays_small(request, tmp_path):
 # keeps a new test there in the slow tier without anyone remembering the decorator.
 _SLOW_DIRS = ("tests/dist/", "tests/e2e/")
 _SLOW_FILES = ("tests/plugins/test_plugin_compat.py", "tests/plugins/test_plugin_template.py")
-_SLOW_TESTS = ("tests/unit/test_planner.py::test_budget_keeps_a_margin_and_ranks_the_whole_model_with_checkpointing_first",)
+_SLOW_TESTS = ("tests/unit/test_planner.py::test_budget_keeps_a_margin_and_ranks_the_whole_model_with_checkpointing_first",
+               "tests/unit/test_planner.py::test_budget_search_uniform_and_per_rank",
+               "tests/unit/test_cli_output.py::test_a_piped_run_prints_whole_log_lines_and_no_bar",
+               "tests/unit/test_faults.py::test_kill_while_pruning_leaves_no_half_checkpoint_and_the_leftover_is_cleaned",
+               "tests/plugins/test_plugin_guide.py::test_adapter_built_from_the_guide_trains_on_two_gloo_ranks",
+               "tests/plugins/test_conformance.py::test_every_masker_plans_validly_purely_and_stably_below_full_coverage")
 
 
 def pytest_collection_modifyitems(config, items):
