@@ -32,3 +32,24 @@ def _temporary_directory_stays_small(request, tmp_path):
     size = _size(path)
     assert size <= TMP_LIMIT_BYTES, (f"{request.node.nodeid} left {size / 2**20:.0f} MiB in {path} (limit "
                                      f"{TMP_LIMIT_BYTES / 2**20:.0f} MiB): hand back digests or samples, not whole models")
+
+
+# Folders and files whose tests spawn process groups, run torchrun, kill ranks or install packages:
+# each takes more than ~8 s, so the quick tier (`-m "not slow"`) leaves them out. Marking by place
+# keeps a new test there in the slow tier without anyone remembering the decorator.
+_SLOW_DIRS = ("tests/dist/", "tests/e2e/")
+_SLOW_FILES = ("tests/plugins/test_plugin_compat.py", "tests/plugins/test_plugin_template.py")
+_SLOW_TESTS = ("tests/unit/test_planner.py::test_budget_keeps_a_margin_and_ranks_the_whole_model_with_checkpointing_first",
+               "tests/unit/test_planner.py::test_budget_search_uniform_and_per_rank",
+               "tests/unit/test_cli_output.py::test_a_piped_run_prints_whole_log_lines_and_no_bar",
+               "tests/unit/test_faults.py::test_kill_while_pruning_leaves_no_half_checkpoint_and_the_leftover_is_cleaned",
+               "tests/plugins/test_plugin_guide.py::test_adapter_built_from_the_guide_trains_on_two_gloo_ranks",
+               "tests/plugins/test_conformance.py::test_every_masker_plans_validly_purely_and_stably_below_full_coverage")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid
+        path = nodeid.split("::", 1)[0]
+        if path.startswith(_SLOW_DIRS) or path in _SLOW_FILES or nodeid in _SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

@@ -112,7 +112,7 @@ def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, 
     # SIGSTOP inside step 4's gradient averaging: the survivors time out (comm.timeout_s), name the
     # silent rank, keep their units as of step 3; the agent SIGKILLs the stopped rank and restarts.
     proc = _torchrun(tmp_path, "stalled", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
-                     "comm.timeout_s=30", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"})
+                     "comm.timeout_s=10", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"})
     run = tmp_path / "stalled"
     assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()
     assert "rank 1 stopped answering" in proc.stderr, proc.stderr[-3000:]

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,15 +39,33 @@ def _made(stderr: str) -> str:
     return m.group(1)
 
 
+def _readable_by_anyone_harness() -> tuple[list[str], str]:
+    """The harness copied where uid 65534 can read it, run by the base interpreter: the checkout (and
+    its .venv) may sit in a folder only its owner can open. The harness needs only the standard library."""
+    folder = tempfile.mkdtemp(prefix="shaped-link-")
+    os.chmod(folder, 0o755)
+    script = Path(folder) / "shaped_link.py"
+    shutil.copyfile(ROOT / "benchmarks" / "shaped_link.py", script)
+    os.chmod(script, 0o644)
+    return [os.path.realpath(sys.executable), "-I", str(script)], folder
+
+
 def test_refuses_without_root():
+    folder = None
     if IS_ROOT:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root and no setpriv to drop to another user")
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *HARNESS]
+        harness, folder = _readable_by_anyone_harness()
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *harness]
     else:
         cmd = list(HARNESS)
     before = _namespaces() if HAS_IPROUTE else set()
-    proc = subprocess.run([*cmd, "--rate", "1gbit", "--", "true"], capture_output=True, text=True, timeout=60)
+    try:
+        proc = subprocess.run([*cmd, "--rate", "1gbit", "--", "true"], capture_output=True, text=True, timeout=60,
+                              cwd="/")
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line, no traceback
     assert proc.stderr.startswith("shaped_link: needs root")
