@@ -124,6 +124,7 @@ FROZEN_API: dict[str, list[str]] = {
         'from_dict(cls, d: \'dict\') -> "\'MaskPlan\'"',
         "k(self, unit: 'int') -> 'int'",
         "mixing_matrix(self, partition: 'Partition') -> 'np.ndarray'",
+        "node_failures_survived(self, nodes: 'int') -> 'int'",
         "owner_counts(self) -> 'list[int]'",
         "owner_sets(self) -> 'list[tuple[int, ...]]'",
         "owners(self, unit: 'int') -> 'tuple[int, ...]'",
