@@ -107,6 +107,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
+    unknown = [t for t in args.tasks.split(",") if t not in TASKS]
+    if unknown:
+        ap.error(f"--tasks {args.tasks}: unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    if args.steps < 2 or args.reps < 1:
+        ap.error(f"--steps {args.steps} --reps {args.reps}: need --steps 2 or more (the first step is not timed) "
+                 "and --reps 1 or more")
     from subnetdp.core.config import RecoveryConfig
 
     default = RecoveryConfig().verify_every
