@@ -9,9 +9,9 @@ import io
 import os
 from pathlib import Path
 
-import torch
 
 from subnetdp.core.contracts import LaunchEnv
+from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.sdp.verify import OwnersDisagree
 from subnetdp.train.failures import log_path
 from subnetdp.train.loop import train_loop
@@ -21,18 +21,26 @@ from tests.helpers import digest, plugin_manager, run_ranks, small_config
 
 
 def _config(init_method: str, *overrides: str, store: str = ""):
-    return small_config("masker.coverage=1.0", "train.steps=6", "train.batch_size=8", "eval.batches=1",
+    return small_config( "train.steps=6", "train.batch_size=8", "eval.batches=1",
                         "run.name=verify", f"comm.init_method={init_method}{store}", *overrides,
                         run_dir=init_method.removeprefix("file://") + "-runs")
 
 
-def _state_digests(st) -> dict[str, str]:
-    """Every parameter's and optimizer state's bytes on this rank (C = 1: every rank holds every tensor)."""
-    out = {}
-    for n, p in st.model.named_parameters():
-        out[n] = digest(p)
-        for k, v in st.optimizer.state[p].items():
-            out[f"{n}/{k}"] = digest(v if isinstance(v, torch.Tensor) else torch.tensor(v))
+def _state_digests(st, rank: int) -> dict[str, str]:
+    """The bytes of every global piece this rank owns and of its optimizer state, keyed by the piece
+    (neuron level: owners hold a unit at different places of differently shaped local tensors)."""
+    index, out = LocalIndex(st.model, st.pmap), {}
+    for it in global_items(st.partition, st.plan):
+        found = index.find(it) if rank in it.owners else None
+        if found is None:
+            continue
+        local, dim, start, stop = found
+        param = index.tensors[local]
+        cut = (lambda t: t) if dim is None else (lambda t: t.narrow(dim, start, stop - start))
+        key = f"{it.name}[{it.dim}:{it.start}:{it.stop}]"
+        out[key] = digest(cut(param))
+        for k, v in st.optimizer.state[param].items():
+            out[f"{key}/{k}"] = digest(v if v.dim() == 0 else cut(v))
     return out
 
 
@@ -49,7 +57,8 @@ def _run(rank: int, world: int, cfg) -> tuple[dict, str, BaseException | None]:
         ctx.comm.shutdown()
         if ctx.lock is not None:
             ctx.lock.release()
-    return {"digests": _state_digests(st), "step": st.step}, said.getvalue(), error
+    return {"digests": _state_digests(st, rank), "step": st.step, "owners": [st.plan.owners(u) for u in range(st.plan.num_units)]}, \
+        said.getvalue(), error
 
 
 def _log(cfg, rank: int) -> str:
@@ -58,24 +67,29 @@ def _log(cfg, rank: int) -> str:
 
 
 def _three_owners(rank: int, world: int, init_method: str, verify_every: int) -> dict:
-    # Rank 1 corrupts unit 2 and rank 2 the shared tensors after step 3; verifications at steps 2, 4, 6.
-    os.environ[FLIP_BIT] = "3:1:2,3:2:shared"
-    cfg = _config(init_method, f"recovery.verify_every={verify_every}")
+    # Neuron level, C = 0.75 on 4 ranks: 3 owners a unit, each holding it at its own place of a narrower
+    # tensor. Rank 1 corrupts unit 2 (owners 0, 1, 3) and rank 2 the shared tensors after step 3;
+    # 4 steps, verifications at steps 2 and 4. Bit 16 of a float32: a low mantissa bit may be rounded away by the
+    # step before the verification (the owners would then agree again).
+    os.environ[FLIP_BIT] = "3:1:2:16,3:2:shared:16"
+    cfg = _config(init_method, "train.steps=4", "masker.granularity=neuron", "masker.coverage=0.75", "optim.name=adamw",
+                  "optim.lr=1e-3", f"recovery.verify_every={verify_every}")
     out, said, error = _run(rank, world, cfg)
     return {**out, "said": said, "error": str(error) if error else None, "log": _log(cfg, rank)}
 
 
 def _two_owners(rank: int, world: int, init_method: str) -> dict:
     # verify_every larger than the run: only the checkpoints' verifications (steps 2, 4, 6) run.
-    os.environ[FLIP_BIT] = "3:1:1"
-    cfg = _config(init_method, "recovery.verify_every=100", "checkpoint.enabled=true", "checkpoint.every=2",
-                  "checkpoint.keep=0", "resume=auto")
+    os.environ[FLIP_BIT] = "3:1:1:16"
+    cfg = _config(init_method, "masker.coverage=1.0", "recovery.verify_every=100", "checkpoint.enabled=true",
+                  "checkpoint.every=2", "checkpoint.keep=0", "resume=auto")
     first, said, error = _run(rank, world, cfg)
     kept = sorted(p.name for p in (Path(cfg.run.dir) / "verify" / "checkpoints").glob("step_*"))
     manifest = Path(cfg.run.dir) / "verify" / "checkpoints" / "step_00000002" / "MANIFEST.json"
     written = manifest.stat().st_mtime_ns
     del os.environ[FLIP_BIT]
-    resumed, _, again = _run(rank, world, _config(init_method, "recovery.verify_every=100", "checkpoint.enabled=true",
+    resumed, _, again = _run(rank, world, _config(init_method, "masker.coverage=1.0", "recovery.verify_every=100",
+                                                  "checkpoint.enabled=true",
                                                   "checkpoint.every=2", "checkpoint.keep=0", "resume=auto",
                                                   store="-resumed"))
     after = sorted(p.name for p in (Path(cfg.run.dir) / "verify" / "checkpoints").glob("step_*"))
@@ -85,11 +99,14 @@ def _two_owners(rank: int, world: int, init_method: str) -> dict:
 
 
 def test_a_flipped_bit_is_repaired_by_three_owners_and_the_run_goes_on(tmp_path):
-    results = run_ranks(_three_owners, 3, tmp_path, 2, timeout=400)
-    assert [r["error"] for r in results] == [None] * 3 and all(r["step"] == 6 for r in results)
-    # Owners are bit-identical at the end: the odd copies were given the majority's bytes.
-    for r in results[1:]:
-        assert r["digests"] == results[0]["digests"]
+    results = run_ranks(_three_owners, 4, tmp_path, 2, timeout=400)
+    assert [r["error"] for r in results] == [None] * 4 and all(r["step"] == 4 for r in results)
+    assert results[0]["owners"][2] == (0, 1, 3) and all(len(o) == 3 for o in results[0]["owners"])
+    # Owners are bit-identical at the end, piece by piece: the odd copies were given the majority's bytes.
+    pieces = {key for r in results for key in r["digests"]}
+    for key in pieces:
+        held = {r["digests"][key] for r in results if key in r["digests"]}
+        assert len(held) == 1, key
     said = results[0]["said"]
     assert "owners disagreed after step 4, repaired by their majority" in said
     assert "unit 2: ranks [1] received it from rank 0" in said
@@ -98,8 +115,8 @@ def test_a_flipped_bit_is_repaired_by_three_owners_and_the_run_goes_on(tmp_path)
     for r in results:  # the detail, on every rank's log: the unit, its owners and the step, nothing else
         lines = r["log"].splitlines()
         assert len(lines) == 2, lines
-        assert "owners of unit 2 (ranks [0, 1, 2]) disagree after step 4: ranks [0, 2] hold" in r["log"]
-        assert "owners of the shared tensors (ranks [0, 1, 2]) disagree after step 4: ranks [0, 1] hold" in r["log"]
+        assert "owners of unit 2 (ranks [0, 1, 3]) disagree after step 4: ranks [0, 3] hold" in r["log"]
+        assert "owners of the shared tensors (ranks [0, 1, 2, 3]) disagree after step 4: ranks [0, 1, 3] hold" in r["log"]
 
 
 def test_a_flipped_bit_stops_two_owners_and_resume_starts_from_a_verified_checkpoint(tmp_path):

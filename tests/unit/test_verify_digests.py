@@ -67,13 +67,16 @@ def test_the_majority_rule():
 def test_the_test_only_fault_flips_exactly_one_bit_of_the_named_unit(monkeypatch):
     st = _neuron_model()
     before = {n: p.detach().clone() for n, p in st.model.named_parameters()}
-    monkeypatch.setenv(FLIP_BIT, "4:0:1,4:1:0,5:0:0")  # only step 4's fault on rank 0 applies
+    monkeypatch.setenv(FLIP_BIT, "4:0:1:16,4:1:0,5:0:0")  # only step 4's fault on rank 0 applies
     flip_bits(4, st, SimpleNamespace(rank=0))
     changed = 0
     for n, p in st.model.named_parameters():
         xor = before[n].view(torch.int32) ^ p.detach().view(torch.int32)
         changed += sum(bin(int(v) & 0xFFFFFFFF).count("1") for v in xor.reshape(-1).tolist())
     assert changed == 1
+    flipped = [n for n, p in st.model.named_parameters() if not torch.equal(before[n], p.detach())]
+    xor = before[flipped[0]].view(torch.int32) ^ dict(st.model.named_parameters())[flipped[0]].detach().view(torch.int32)
+    assert int(xor.abs().max()) == 1 << 16
     monkeypatch.setenv(FLIP_BIT, "4:0:7")
     with pytest.raises(ValueError, match="does not own 7"):
         flip_bits(4, st, SimpleNamespace(rank=0))
