@@ -168,6 +168,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """``recovery.*``: see docs/verify.md."""
+
+    # 100: hashing a rank's units costs about one pass over its parameters and optimizer state on the
+    # host (docs/verify.md measures under 1% of step time at 100); every checkpoint is verified as well.
+    verify_every: int = doc('steps between checks that the owners of every unit hold bit-identical values and optimizer '
+                            'state (and before every checkpoint); 0 = never (docs/verify.md)', 100, lo=0,
+                            fix="0 turns the owners' verification off")
+
+
+@dataclass
 class FSDPConfig:
     """``fsdp.*``: FSDP2 sharding inside each replica (docs/fsdp.md)."""
 
@@ -194,6 +205,7 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     resume: str = doc('never, auto (newest checkpoint of run.dir/run.name) or a checkpoint PATH', "never")
 
 
@@ -674,7 +686,7 @@ def warn_threads(cfg: DictConfig) -> None:
 
 
 _SECTIONS = {c.__name__: c for c in (SyncConfig, OptimConfig, TrainConfig, EvalConfig, LaunchConfig, RunDirConfig,
-                                     CheckpointConfig, FSDPConfig)}
+                                     CheckpointConfig, FSDPConfig, RecoveryConfig)}
 
 if __name__ == "__main__":
     print(key_table())

@@ -22,6 +22,7 @@ from subnetdp.train.checkpoints.source import seed_host_rngs
 from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
+from subnetdp.train.owner_check import OwnerCheck
 from subnetdp.train.report import reporting, summarise
 from subnetdp.train.setup import set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
@@ -77,6 +78,7 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     batches = (_to_device(b, comm.device) for b in loader)
     meter = Meter(comm, state.parallel, first, steps, int(cfg.train.memory_step))
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
+    owners = OwnerCheck(ctx, state)  # recovery.verify_every
     evaluation: Evaluation | None = None
     every_step_stop = bool(cfg.sync.stop_every_step)
     with reporting(ctx, meter):  # the built-in reporter: progress, log lines, TensorBoard, summary.json
@@ -98,6 +100,8 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                     if redrawn is not None and step < steps:
                         # collective: every rank re-draws the same plan and receives the pieces it gains.
                         state.replan(redrawn, PeerPieces())
+                # collective when due: the owners of every unit compare digests (before any checkpoint of this step).
+                owners.after_step(step, stopping=bool(out.stops))
                 ckpt.mark_finished(step)  # what a survivor's files need (outside the measured step)
                 metrics = {"loss": float(out.loss), "lr": state.optimizer.param_groups[0]["lr"],
                            "step_time": meter.last_step_time, "grad_norm": out.grad_norm, **probe.figures(step)}
