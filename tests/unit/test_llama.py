@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -89,7 +88,7 @@ def test_tied_embeddings_share_one_tensor_and_count_once():
 
 
 @pytest.mark.parametrize("owned", [[0, 2], [3], [0, 1, 2, 3]])
-def test_subnetwork_equals_full_model_without_dropped_blocks_bit_for_bit(owned):
+def test_blocks_are_the_units_and_a_subnetwork_keeps_the_owned_layers_in_order(owned):
     adapter = _adapter()
     full = _model()
     partition = adapter.partition(full, "block", SPEC)
@@ -97,29 +96,10 @@ def test_subnetwork_equals_full_model_without_dropped_blocks_bit_for_bit(owned):
     assert {u.group for u in partition.units} == {"layers"}  # one group for LLaMA
     assert all(u.cost == partition.units[0].cost > 0 for u in partition.units)
 
-    reference = copy.deepcopy(full)
-    for i, block in reference.layers.items():
-        if int(i) not in owned:
-            block.forward = lambda x, cos, sin: x  # a dropped block: both residual branches zero
-    sub, pmap = adapter.materialize(full, owned, partition)
-
-    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(3))
-    out_sub, out_ref = sub(tokens), reference(tokens)
-    assert torch.equal(out_sub, out_ref)
-    targets = torch.roll(tokens, -1, 1)
-    adapter.loss(out_sub, (tokens, targets)).backward()
-    adapter.loss(out_ref, (tokens, targets)).backward()
-    ref_params = dict(reference.named_parameters())
-    for name, p in sub.named_parameters():
-        assert torch.equal(p.grad, ref_params[name].grad), name  # same names, same gradients
-
-    held = {n for n, _ in sub.named_parameters()}
-    assert held == set(partition.shared) | {s.name for u in owned for s in partition.units[u].slices}
-    assert sum(p.numel() for p in sub.parameters()) == partition.shared_numel() + sum(
-        partition.unit_numel(partition.units[u]) for u in owned)
-    assert all(pmap.pieces[n][0].global_name == n for n in held)
+    # Equality with the full model without the dropped blocks (values and gradients), and the tensors
+    # held: test_adapter_contract.py.
+    sub, _ = adapter.materialize(full, owned, partition)
     assert [int(k) for k in sub.layers.keys()] == sorted(owned)
-    assert len(adapter.blocks(sub)) == len(owned)
 
 
 def test_partition_covers_every_parameter_once_and_cost_is_measured_flops():
