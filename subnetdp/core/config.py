@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import BooleanNode, ValueNode
 
 from subnetdp.core.contracts import CommConfig, DataConfig, MaskerConfig, ModelConfig
 from subnetdp.core.errors import ConfigError, suggest
@@ -320,6 +321,14 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(key, value, f"cannot be parsed as a YAML value ({first})",
                               f"quote it, e.g. {key}='\"{value}\"'") from None
+    given = {item.split("=", 1)[0]: item.split("=", 1)[1] for item in overrides}
+    for key, value in given.items():
+        # OmegaConf lets the later one win silently (`masker=5 masker.coverage=0.5` drops the 5) or
+        # fails inside its merge (`train=[1,2] train.grad_accum=2`).
+        sub = next((k for k in given if k.startswith(f"{key}.")), None)
+        if sub is not None:
+            raise ConfigError(key, clipped(value), f"is given a value and also the sub-key {sub}",
+                              f"drop {key}={clipped(value)} and set its keys one by one, e.g. {sub}={clipped(given[sub])}")
     return OmegaConf.from_dotlist(list(overrides))
 
 
@@ -374,10 +383,25 @@ def _check_keys(layer: Any, schema: Any, prefix: str, source: str) -> None:
                               + suggest(str(key), map(str, valid)))
         child = schema._get_node(key)
         sub = layer._get_node(key)
+        _check_leaf(full, sub, child, source)
         if isinstance(sub, DictConfig) and isinstance(child, DictConfig):
             _check_keys(sub, child, f"{full}.", source)
         elif isinstance(sub, DictConfig) and isinstance(child, ListConfig):
             raise ConfigError(full, "{...}", f"takes a list, not sub-keys (from {source})", f"write {full}=[...]")
+
+
+def _check_leaf(key: str, node: Any, schema_node: Any, source: str) -> None:
+    """What OmegaConf's conversion accepts but changes: a bool key given ``2`` or ``"0x10"`` (it becomes
+    ``true``), and an integer beyond 64 bits (an ``OverflowError`` inside the merge for a float key)."""
+    if not isinstance(node, ValueNode) or node._is_interpolation() or node._is_none():
+        return
+    value = node._value()
+    if isinstance(schema_node, BooleanNode) and not isinstance(value, bool):
+        raise ConfigError(key, clipped(value), f"takes true or false (from {source}), not {type(value).__name__}",
+                          f"write {key}=true or {key}=false")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+        raise ConfigError(key, clipped(value), f"does not fit in 64 bits (from {source}; at most {INT64_MAX})",
+                          "use a smaller number (1e6 or 1000000)")
 
 
 def _merge(base: DictConfig, layer: Any, source: str, prefix: str = "") -> DictConfig:
@@ -443,8 +467,8 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
 
     for group in PLUGIN_GROUPS:
         name = None
-        for layer, _ in layers:
-            sel = OmegaConf.select(layer, f"{group}.name", default=None)
+        for layer, source in layers:
+            sel = _selector(layer, group, source)
             if sel is not None:
                 name = sel
         if name is None:
@@ -467,6 +491,21 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = (),
     _resolve(cfg)
     validate(cfg, registries)
     return cfg
+
+
+def _selector(layer: DictConfig, group: str, source: str) -> Any:
+    """``{group}.name`` as ``layer`` gives it (None: not given). It picks the plugin whose schema the rest
+    of the config is checked against, so it is chosen before the config it could refer to exists: a
+    ``${...}`` there is refused, not resolved against a half-built config."""
+    sub = layer._get_node(group) if group in layer else None
+    if not isinstance(sub, DictConfig) or "name" not in sub:
+        return None
+    node = sub._get_node("name")
+    if node._is_interpolation():
+        raise ConfigError(f"{group}.name", clipped(node._value()), f"is an interpolation (from {source}); a plugin "
+                          "is selected by its name, before the config it could refer to is built",
+                          f"give the plugin's name, e.g. {group}.name=NAME (subnetdp plugins lists them)")
+    return node._value()
 
 
 def check_sections(layer: DictConfig, top: DictConfig, source: str) -> None:
@@ -612,6 +651,7 @@ def env_flag(name: str) -> bool:
 # --------------------------------------------------------------------------- values no schema type catches
 
 INT64_MAX = 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -631,6 +671,10 @@ def check_numbers(cfg: DictConfig) -> None:
     for key, value in leaves(OmegaConf.to_container(cfg, resolve=True)):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(key, value, "must be a finite number", "give a plain number such as 0.5")
+        if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+            # Python keeps 1e308, but the training tensors are float32: optim.lr=1e308 is inf at step 1.
+            raise ConfigError(key, value, f"is beyond float32's range (at most {FLOAT32_MAX:.3g}), which the "
+                              "training tensors use", "give a number of ordinary size such as 0.1")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
             raise ConfigError(key, value, f"does not fit in 64 bits (at most {INT64_MAX})", "use a smaller integer")
 
