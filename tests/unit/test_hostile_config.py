@@ -140,3 +140,17 @@ def test_a_key_the_selected_plugin_ignores_cannot_be_set(overrides):
         load_config("resnet18_digits", list(overrides), plugin_manager().registries)
     assert str(e.value) == IGNORED[overrides]
     load_config("resnet18_digits", list(overrides[:-1]), plugin_manager().registries)  # at its default, it is fine
+
+
+def test_a_file_rendezvous_that_exists_already_is_refused_before_any_worker(tmp_path):
+    """A FileStore file left by a killed run would make every rank wait comm.timeout_s for peers."""
+    pm = plugin_manager()
+    store = tmp_path / "store"
+    cfg = load_config("resnet18_digits", [f"comm.init_method=file://{store}"], pm.registries)
+    preflight(cfg, 2, pm)  # a file that does not exist yet is what a rendezvous wants
+    store.write_bytes(b"\0" * 16)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, 2, pm)  # what the launcher runs before it starts any worker
+    msg = str(e.value)
+    assert msg.startswith(f"comm.init_method='file://{store}': ") and "already exists" in msg, msg
+    assert f"delete {store}" in msg and "\n" not in msg
