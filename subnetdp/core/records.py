@@ -15,11 +15,43 @@ record's own directory, never a path that leads elsewhere.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from subnetdp.core.errors import CheckpointError
+
+
+class BadJSON(ValueError):
+    """A file that is not JSON this project can read; ``str()`` says why in a few words."""
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in the file ``path``: the one reader of the project's own JSON files (manifests,
+    plans, summaries, lineage and survivors' records).
+
+    Whatever a damaged or crafted file holds ends in :class:`BadJSON` (a ``ValueError``) with a short
+    reason, which the caller puts on its one line: invalid UTF-8 or JSON, nesting too deep for the
+    parser (``RecursionError``), or an integer beyond Python's digit limit. ``OSError`` (a missing
+    file among them) passes through.
+    """
+    return parse_json(Path(path).read_bytes())
+
+
+def parse_json(data: bytes) -> Any:
+    """:func:`read_json` for bytes already read (e.g. a safetensors header)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise BadJSON("nested deeper than the JSON parser can follow") from None
+    except UnicodeDecodeError as e:
+        raise BadJSON(f"not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise BadJSON(f"{e.msg} at line {e.lineno} column {e.colno}") from None
+    except ValueError as e:  # an integer of thousands of digits: "Exceeds the limit (4300 digits)"
+        raise BadJSON(f"holds a number too long to read ({str(e).splitlines()[0][:80]})") from None
 
 
 class Mismatch(Exception):

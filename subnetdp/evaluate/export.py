@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from subnetdp.core import records
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
 from subnetdp.train.checkpoints.source import read_plan
@@ -307,7 +308,7 @@ def load_reference(out: str | Path, pm: PluginManager | None = None) -> nn.Modul
     out = Path(out)
     info_path = out / "reference.json"
     try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
+        info = records.read_json(info_path)
     except (OSError, ValueError) as e:
         raise SubnetdpError(f"{info_path}: cannot be read ({e}): not a subnetdp export") from None
     if not isinstance(info, dict) or info.get("format") != EXPORT_FORMAT:

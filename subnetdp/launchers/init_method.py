@@ -7,6 +7,7 @@ line naming the key before any worker starts, not a traceback from every rank's
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import urlparse
 
@@ -36,3 +37,21 @@ def check_config(cfg: Any) -> None:
         raise ConfigError("comm.init_method", str(method), "tcp:// needs a host and a port in 1..65535", fix)
     if url.scheme == "file" and not url.path:
         raise ConfigError("comm.init_method", str(method), "file:// needs a path", fix)
+
+
+def check_file_store(cfg: Any) -> None:
+    """A ``file://`` rendezvous names a file that does not exist yet.
+
+    torch's FileStore deletes its file when the last rank closes it; a run that was killed leaves it
+    behind, holding that run's keys, and the next run's ranks then wait in ``init_process_group``
+    for ``comm.timeout_s`` for peers that never come. Checked by the launching process before any
+    worker exists (a worker cannot tell a stale file from one a peer has just created).
+    """
+    method = OmegaConf.select(cfg, "comm.init_method", default=None)
+    url = urlparse(str(method or ""))
+    if url.scheme != "file" or not url.path:
+        return
+    if os.path.lexists(url.path):
+        raise ConfigError("comm.init_method", str(method), f"{url.path} already exists (left by an earlier run?): the "
+                          "ranks would read its keys and wait for peers that never come",
+                          f"delete {url.path}, or name a file that does not exist yet")

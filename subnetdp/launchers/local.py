@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from subnetdp.core.errors import SubnetdpError
 from subnetdp.launchers.failures import describe_failures
+from subnetdp.launchers.signals import Handlers
 
 SHUTDOWN_TIMEOUT_S = 120  # after a signal: time for the workers to finish the step and checkpoint it
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -86,20 +87,17 @@ class StopWatch:
         self.last: dict[int, tuple[int, str]] = {}
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self._saved: dict[int, Any] = {}
+        self._handlers = Handlers(_STOP_SIGNALS, self._handle)
 
     def __enter__(self) -> "StopWatch":
-        if threading.current_thread() is threading.main_thread():
-            for s in _STOP_SIGNALS:
-                self._saved[s] = signal.signal(s, self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join(5)
-        for s, old in self._saved.items():
-            signal.signal(s, old)
+        self._handlers.__exit__(*exc)
 
     def _handle(self, signum: int, frame: Any) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -108,6 +106,14 @@ class StopWatch:
             self.signum, self.started = signum, time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="subnetdp-stop-watch", daemon=True)
             self._thread.start()
+        else:
+            # The agent ends its interrupted wait with SIGTERM to the workers: passed on first, the
+            # signal itself reaches them before it, and they report the second signal as what it was.
+            for pid, _ in worker_states(os.getpid()).values():
+                try:
+                    os.kill(pid, signum)
+                except OSError:  # already gone
+                    pass
         sig = signal.Signals(signum)
         raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 

@@ -24,6 +24,7 @@ from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchE
 from subnetdp.core.errors import ConfigError, RankMismatchError, SubnetdpError
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
+from subnetdp.launchers import init_method
 from subnetdp.sdp.construct import meta_model
 from subnetdp.sdp.flops import FlopRatios
 from subnetdp.sdp.variants import partition_model
@@ -85,6 +86,7 @@ def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool
     else:
         pm.registries["comm"].get(cfg.comm.name).check_world_size(world_size)
     upfront.check_run_dir(cfg)
+    init_method.check_file_store(cfg)
     data, *_, plan = build_plan(cfg, world_size, pm)
     upfront.check_batch_fits(cfg, data, world_size)
     check_resume_source(cfg)

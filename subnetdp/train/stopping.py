@@ -37,7 +37,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -45,6 +44,7 @@ import torch
 
 from subnetdp.core.errors import SubnetdpError
 from subnetdp.launchers.invocation import invoked_as
+from subnetdp.launchers.signals import Handlers
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_SIGNAL = signal.SIGUSR1  # SLURM's notice before a time limit or pre-emption (#SBATCH --signal=USR1@120)
@@ -90,18 +90,14 @@ class StopRequest:
         self.armed = False  # set by the loop: from then on a first signal waits for the step boundary
         self._leaving = False
         self._exit_now = exit_now
-        self._saved: dict[int, Any] = {}
+        self._handlers = Handlers(SIGNALS, self._handle)
 
     def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                self._saved[s] = signal.signal(s, self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for s, old in self._saved.items():
-            signal.signal(s, old)
-        self._saved.clear()
+        self._handlers.__exit__(*exc)
 
     def _say(self, text: str) -> None:
         if self.rank == 0:

@@ -23,7 +23,6 @@ that is not what a run writes (checked against :data:`SUMMARY`) is refused in on
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -178,7 +177,7 @@ def finished_run(cfg: DictConfig) -> str | None:
     summary = Path(str(cfg.run.dir)) / str(cfg.run.name) / "summary.json"
     fix = f"the run's summary is damaged: delete {summary} (resume=auto then continues from the newest checkpoint)"
     try:
-        done = json.loads(summary.read_text(encoding="utf-8"))
+        done = records.read_json(summary)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:  # written atomically by the run: anything else is damage

@@ -25,7 +25,30 @@ CASES = {  # override -> the key its message must start with
     "model=[1,2]": "model", "train=5": "train", ".seed=1": ".seed", "masker=null": "masker",
     "data.name=tokens": "data.name", "comm.init_method=bogus://x": "comm.init_method",
     "comm.init_method=tcp://host": "comm.init_method", "resume=": "resume", "resume=/etc": "resume",
+    # plugin selectors are names, never interpolations (resolved against a config not built yet)
+    "model.name=${nope}": "model.name", "masker.name=${oc.env:NOPE_X}": "masker.name",
+    "comm.name=${train.steps}": "comm.name",
+    "optim.lr=1" + "0" * 400: "optim.lr", "optim.lr=1e308": "optim.lr", "optim.lr=1e39": "optim.lr",
+    # a bool key takes true or false: OmegaConf would turn these into true
+    "masker.rescale=2": "masker.rescale", "eval.breakdown=7": "eval.breakdown",
+    "sync.outer_on_host=2": "sync.outer_on_host", "model.cifar_stem=0x10": "model.cifar_stem",
+    "train.progress=2": "train.progress",
+    # the digits resized to 4096 pixels need hundreds of GiB: refused, not the allocator's traceback
+    "data.image_size=4096": "data.image_size",
 }
+
+GROUP_AND_KEY = {  # a group given a value and one of its keys: the value would be dropped, or fail in the merge
+    ("train=[1,2]", "train.grad_accum=2"): "train", ("optim=[1]", "optim.lr=0.1"): "optim",
+    ("masker=5", "masker.coverage=0.5"): "masker",
+}
+
+
+@pytest.mark.parametrize("overrides", list(GROUP_AND_KEY), ids=lambda o: " ".join(o))
+def test_a_group_given_a_value_and_a_key_is_one_line(overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config("resnet18_digits", list(overrides), plugin_manager().registries)
+    msg = str(e.value)
+    assert msg.startswith(GROUP_AND_KEY[overrides] + "=") and "sub-key" in msg and "\n" not in msg, msg
 
 
 @pytest.mark.parametrize("override", list(CASES))
@@ -119,3 +142,17 @@ def test_a_key_the_selected_plugin_ignores_cannot_be_set(overrides):
         load_config("resnet18_digits", list(overrides), plugin_manager().registries)
     assert str(e.value) == IGNORED[overrides]
     load_config("resnet18_digits", list(overrides[:-1]), plugin_manager().registries)  # at its default, it is fine
+
+
+def test_a_file_rendezvous_that_exists_already_is_refused_before_any_worker(tmp_path):
+    """A FileStore file left by a killed run would make every rank wait comm.timeout_s for peers."""
+    pm = plugin_manager()
+    store = tmp_path / "store"
+    cfg = load_config("resnet18_digits", [f"comm.init_method=file://{store}"], pm.registries)
+    preflight(cfg, 2, pm)  # a file that does not exist yet is what a rendezvous wants
+    store.write_bytes(b"\0" * 16)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, 2, pm)  # what the launcher runs before it starts any worker
+    msg = str(e.value)
+    assert msg.startswith(f"comm.init_method='file://{store}': ") and "already exists" in msg, msg
+    assert f"delete {store}" in msg and "\n" not in msg

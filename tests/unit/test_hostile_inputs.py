@@ -304,6 +304,26 @@ def test_a_damaged_manifest_is_one_line_naming_the_field(case, source, tmp_path)
     assert msg.startswith(f"{ckpt / ck.MANIFEST}: ") and expected in msg and "\n" not in msg, msg
 
 
+DEEP = "[" * 200_000 + "]" * 200_000  # past the JSON parser's recursion limit
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    (ck.MANIFEST, DEEP, "nested deeper than the JSON parser can follow"),
+    (ck.MANIFEST, '{"format": "subnetdp-checkpoint/2", "step": ' + "7" * 5000 + "}", "a number too long to read"),
+    ("plan.json", DEEP, "nested deeper than the JSON parser can follow"),
+], ids=["manifest-deep", "manifest-long-int", "plan-deep"])
+def test_a_crafted_json_file_is_one_line_naming_it(name, text, expected, source, tmp_path):
+    from subnetdp.train.checkpoints.source import read_plan
+    ckpt = _copy(ck.step_dir(source, 2), tmp_path)
+    (ckpt / name).write_text(text)
+    if name != ck.MANIFEST:
+        _rehash(ckpt, name)
+    with pytest.raises(CheckpointError) as e:
+        read_plan(ckpt, ck.read_manifest(ckpt))
+    msg = str(e.value)
+    assert msg.startswith(f"{ckpt / name}: ") and expected in msg and "\n" not in msg, msg
+
+
 def test_a_damaged_manifest_stops_a_resume_before_any_worker(source, tmp_path):
     ckpt = _copy(ck.step_dir(source, 2), tmp_path)
     manifest = json.loads((ckpt / ck.MANIFEST).read_text())
@@ -322,6 +342,7 @@ def test_a_damaged_manifest_stops_a_resume_before_any_worker(source, tmp_path):
     ('{"eval": {}}', "lacks the field steps"),
     ("[]", "the file is [] (a list), expected a mapping with steps"),
     ('{"steps": 2', "cannot be read as JSON"),
+    (DEEP, "cannot be read as JSON (nested deeper than the JSON parser can follow)"),
 ])
 def test_a_damaged_summary_stops_resume_auto_in_one_line(summary, expected, tmp_path, capsys):
     run = tmp_path / "s"

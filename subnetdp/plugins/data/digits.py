@@ -6,6 +6,7 @@ A fixed, seeded split holds out ``test_fraction`` of the images; ``data.image_si
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,9 @@ import torch.nn.functional as F
 
 from subnetdp import ConfigError, DataConfig, DataSpec, hookimpl
 from subnetdp.plugins.data._sharded import InMemoryData
+
+NUM_IMAGES = 1797  # scikit-learn's digits
+LOAD_COPIES = 3  # resized, normalised, and the split's contiguous copies
 
 
 @dataclass
@@ -35,6 +39,14 @@ class DigitsData(InMemoryData):
             raise ConfigError("data.test_fraction", cfg.test_fraction, "must be in (0, 1)")
         if cfg.image_size < 1:
             raise ConfigError("data.image_size", cfg.image_size, "must be >= 1 (8 is the native size)")
+        # Every image is resized and held in memory (three copies while loading): at 4096 pixels that
+        # is hundreds of GiB, the allocator's traceback in the launching process otherwise.
+        need = LOAD_COPIES * NUM_IMAGES * 4 * int(cfg.image_size) ** 2
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+        if have and need > have:
+            raise ConfigError("data.image_size", cfg.image_size, f"the {NUM_IMAGES} digits resized to it need about "
+                              f"{need / 2**30:,.0f} GiB of memory while loading, this machine has {have / 2**30:,.0f} GiB",
+                              "use a smaller size (8 is the native one, 32 suits the CIFAR stem)")
 
     def __init__(self, cfg: Any, seed: int = 0) -> None:
         super().__init__(cfg, seed)

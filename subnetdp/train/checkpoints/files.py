@@ -266,10 +266,10 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     """The checkpoint's manifest, checked against :data:`~subnetdp.train.checkpoints.schema.MANIFEST`."""
     path = Path(ckpt) / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = records.read_json(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing: {ckpt} is not a complete checkpoint") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except records.BadJSON as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}): the manifest is corrupted") from None
     if isinstance(manifest, dict) and manifest.get("format") == FORMAT_1:
         raise CheckpointError(f"{path}: format {FORMAT_1!r} (a full copy per rank, written before checkpoints "

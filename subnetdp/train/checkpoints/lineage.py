@@ -49,9 +49,9 @@ def read(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}): the run's lineage record is corrupted; "
+        found = records.read_json(path)
+    except records.BadJSON as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): the run's lineage record is corrupted; "
                               "remove it (resume=auto then continues the newest checkpoint)") from None
     records.check(FILE, found, path, "the run's lineage record is damaged; remove it")
     return found

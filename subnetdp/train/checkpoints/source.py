@@ -10,7 +10,6 @@ parameter names, the checkpoint's plan).
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from subnetdp.core import records
 from subnetdp.core.contracts import ResumableLoader
 from subnetdp.core.errors import CheckpointError, SubnetdpError
 from subnetdp.core.plan import MaskPlan
@@ -87,7 +87,7 @@ def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
     """The checkpoint's ``plan.json``, checked against the manifest."""
     f = ck.verify_file(path, "plan.json", manifest)
     try:
-        plan = MaskPlan.from_dict(json.loads(f.read_text(encoding="utf-8")))
+        plan = MaskPlan.from_dict(records.read_json(f))
     except (SubnetdpError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{f}: not a valid mask plan ({e})") from None
     if plan.digest() != manifest["plan_digest"] or plan.world_size != manifest["world_size"]:

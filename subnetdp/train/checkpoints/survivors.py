@@ -154,9 +154,9 @@ def _read_fragment(d: Path, step: int, rank: int) -> Fragment:
         raise CheckpointError(f"{path}: is a symbolic link (to {os.readlink(path)}): a survivor's record is read "
                               f"from its own folder only; {d} is skipped")
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}): a survivor's record is corrupted; "
+        record = records.read_json(path)
+    except records.BadJSON as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): a survivor's record is corrupted; "
                               f"{d} is skipped") from None
     records.check(FRAGMENT_RECORD, record, path, f"a survivor's record is damaged; {d} is skipped")
     header = record["header"]
