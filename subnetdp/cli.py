@@ -197,6 +197,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     world = int(cfg.launch.nproc if ns.world_size is None else ns.world_size)
     if world < 1:
         raise ConfigError("--world-size", world, "must be at least 1", "plan for the ranks you will start, e.g. -n 4")
+    if ns.nodes is not None:  # the ranks' nodes, as torchrun numbers them: owners spread across nodes
+        from subnetdp.core.plan import check_nodes
+
+        cfg.masker.nodes = check_nodes(ns.nodes, world, "--nodes")
     if ns.memory:
         from subnetdp.plan.budget import budget_search, format_budget, parse_margin, parse_memory
 
@@ -429,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "dry run under FakeTensorMode (nothing is allocated).")
     _recipe_args(p)
     p.add_argument("--world-size", "-n", type=int, default=None, help="number of ranks (default: launch.nproc)")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="the ranks span N nodes (masker.nodes): owners are placed across nodes and the report "
+                        "gives the node losses survived beside the rank losses")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--png", metavar="FILE", help="also write the ranks x units figure to FILE")
     p.add_argument("--no-estimate", action="store_true", help="skip the dry run (plan only)")

@@ -270,6 +270,10 @@ class MaskerConfig(PluginConfig):
     capacity: list = doc('heterogeneous ranks: one coverage per rank (per replica with fsdp.shard_size > 1) overriding masker.coverage; empty: every rank keeps masker.coverage (subnetdp plan --memory fills it)',
                          factory=list, lo=0, lo_open=True, hi=1,
                          fix="give each rank a coverage such as 0.5 (1 = the whole model)")
+    nodes: Optional[int] = doc(
+        "nodes the ranks span, rank r on node r // (W / nodes) as torchrun numbers them: a unit's owners are "
+        "placed on different nodes where the coverage allows (empty: from the launcher, WORLD_SIZE / "
+        "LOCAL_WORLD_SIZE under torchrun, else 1)", None, lo=1, fix="give a divisor of the world size, or leave it empty")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from subnetdp.core.contracts import GROUP_BY, Partition
-from subnetdp.core.errors import PlanError
+from subnetdp.core.errors import ConfigError, PlanError
 
 
 @dataclass
@@ -23,11 +23,14 @@ class MaskPlan:
         world_size: number of ranks the plan is made for.
         owned: ``owned[r]`` = sorted unit ids of rank ``r``.
         num_units: K, the number of units in the partition.
+        nodes: how many nodes the ranks span (rank ``r`` on node ``r // (world_size // nodes)``); it
+            is not part of the digest: the same owners on another node layout are the same plan.
     """
 
     world_size: int
     owned: list[list[int]]
     num_units: int
+    nodes: int = 1
     _owners: list[tuple[int, ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,11 +69,12 @@ class MaskPlan:
         if shard_size == 1:
             return self
         return MaskPlan(self.world_size * shard_size, [self.owned[r // shard_size]
-                                                       for r in range(self.world_size * shard_size)], self.num_units)
+                                                       for r in range(self.world_size * shard_size)], self.num_units,
+                        self.nodes)
 
     def replicas(self, shard_size: int) -> "MaskPlan":
         """Inverse of :meth:`replicated`: the plan over the replicas (rank ``r * S`` of each)."""
-        return MaskPlan(self.world_size // shard_size, self.owned[::shard_size], self.num_units)
+        return MaskPlan(self.world_size // shard_size, self.owned[::shard_size], self.num_units, self.nodes)
 
     def owner_counts(self) -> list[int]:
         return [len(o) for o in self._owners]
@@ -224,6 +228,9 @@ class MaskPlan:
             d["components"] = self.unit_graph_components()
             d["params_per_rank"] = self.params_per_rank(partition)
             d["cost_per_rank"] = self.cost_per_rank(partition)
+        if self.nodes > 1:  # a one-node plan.json stays as it was
+            d["nodes"] = self.nodes
+            d["node_failures_survived"] = self.node_failures_survived(self.nodes)
         d["digest"] = self.digest()
         return d
 
@@ -232,7 +239,7 @@ class MaskPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MaskPlan":
-        plan = cls(int(d["world_size"]), [list(x) for x in d["owned"]], int(d["num_units"]))
+        plan = cls(int(d["world_size"]), [list(x) for x in d["owned"]], int(d["num_units"]), int(d.get("nodes", 1)))
         if "digest" in d and d["digest"] != plan.digest():
             raise PlanError("plan.json is corrupt: its digest does not match its contents")
         return plan
@@ -327,13 +334,61 @@ def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: i
     return "; ".join(hints) if hints else "raise masker.coverage or lower masker.min_owners"
 
 
-def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int = 1) -> MaskPlan:
-    """Run the masker and validate its plan (before any process group exists)."""
+def check_nodes(nodes: int, world_size: int, key: str = "masker.nodes") -> int:
+    """``nodes`` if the ``world_size`` ranks split into that many equal nodes; else one line naming ``key``."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if not 1 <= nodes <= world_size or world_size % nodes:
+        raise ConfigError(key, nodes, f"does not split the {world_size} ranks into equal nodes",
+                          f"give a divisor of {world_size}: {', '.join(map(str, divisors))}")
+    return nodes
+
+
+def node_order(world_size: int, nodes: int) -> list[int]:
+    """The ranks with the nodes interleaved: the first rank of every node, then the second, ...
+
+    Maskers give neighbouring positions overlapping units (cyclic's runs, balanced's least-loaded
+    ties, random's fewest-owners draw), so a plan made over this order and then handed to the ranks
+    it names puts a unit's co-owners on different nodes. One node: the identity.
+    """
+    per_node = world_size // nodes
+    return [n * per_node + i for i in range(per_node) for n in range(nodes)]
+
+
+def interleave_nodes(plan: MaskPlan, nodes: int) -> MaskPlan:
+    """``plan``'s position ``s`` becomes rank ``node_order[s]``: the same unit sets, on other ranks.
+
+    A relabelling keeps every property a masker promises about the multiset of rank sets (owner
+    counts, units and cost per rank, owner sets per group); only which rank holds which set moves.
+    """
+    order = node_order(plan.world_size, nodes)
+    owned: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for s, r in enumerate(order):
+        owned[r] = plan.owned[s]
+    return MaskPlan(plan.world_size, owned, plan.num_units, nodes)
+
+
+def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int = 1,
+              nodes: int = 1) -> MaskPlan:
+    """Run the masker and validate its plan (before any process group exists).
+
+    ``nodes > 1``: the masker plans over the ranks in :func:`node_order` (nodes interleaved), so a
+    unit's owners sit on different nodes where the coverage allows; one node gives the masker's plan.
+    """
     rank_coverages(masker.cfg, world_size)  # a capacity list of the wrong length fails here, by name
-    plan = masker.plan(partition, world_size, seed)
+    check_nodes(nodes, world_size)
+    planner = masker
+    if nodes > 1 and masker.cfg.capacity:  # position s plans with the capacity of the rank it becomes
+        import copy
+
+        cfg = copy.deepcopy(masker.cfg)
+        cfg.capacity = [masker.cfg.capacity[r] for r in node_order(world_size, nodes)]
+        planner = type(masker)(cfg)
+    plan = planner.plan(partition, world_size, seed)
     if plan.world_size != world_size or plan.num_units != len(partition.units):
         raise PlanError(f"masker '{masker.name}' returned a plan for {plan.world_size} ranks and "
                         f"{plan.num_units} units; expected {world_size} ranks and {len(partition.units)} units")
+    if nodes > 1:
+        plan = interleave_nodes(plan, nodes)
     names = [u.name for u in partition.units]
     plan.validate(min_owners, names, hint=lambda: _coverage_hint(masker, partition, world_size, seed, min_owners))
     if min_owners > world_size:

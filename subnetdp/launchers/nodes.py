@@ -17,11 +17,13 @@ checkpoint on the new plan, which is why an elastic or restartable job needs it.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from subnetdp.core.errors import ConfigError
+from subnetdp.core.plan import check_nodes
 
 NODE_OPTIONS = {"nnodes": None, "max_restarts": "launch.max_restarts", "rdzv_endpoint": "launch.rdzv_endpoint",
                 "rdzv_id": "launch.rdzv_id", "rdzv_conf": "launch.rdzv_conf"}  # option -> key (nnodes: two)
@@ -163,3 +165,25 @@ def nodes_of(cfg: Any, launcher: str, node_rank: int | None = None) -> Nodes:
                           "pass --rdzv-endpoint HOST:PORT: a free port on the node started first (--node-rank 0)")
     return Nodes(lo, hi, nodes.endpoint, nodes.run_id or f"subnetdp-{cfg.run.name}", node_rank,
                  nodes.max_restarts, nodes.rdzv_conf)
+
+
+def plan_nodes(cfg: Any, world_size: int, environ: Any = None) -> int:
+    """The nodes the plan of ``world_size`` ranks spreads owners over (the masker's input, never read
+    by the masker itself): ``masker.nodes`` when given, else what torchrun tells its workers
+    (``WORLD_SIZE / LOCAL_WORLD_SIZE``, ranks numbered node after node), else one node.
+
+    With FSDP the plan is over the replicas, so the nodes must also split them; a node count found
+    in the environment that does not (a replica spanning nodes) plans as one node.
+    """
+    replicas = world_size // int(cfg.fsdp.shard_size)
+    if cfg.masker.nodes is not None:
+        check_nodes(int(cfg.masker.nodes), world_size)
+        return check_nodes(int(cfg.masker.nodes), replicas, "masker.nodes (over the fsdp.shard_size replicas)")
+    env = os.environ if environ is None else environ
+    try:
+        total, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return 1
+    if total != world_size or local < 1 or total % local or replicas % (total // local):
+        return 1
+    return total // local

@@ -37,6 +37,7 @@ def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, D
 
     from subnetdp.core import config as config_mod
     from subnetdp.core.plan import make_plan
+    from subnetdp.launchers.nodes import plan_nodes
     from subnetdp.sdp.variants import partition_model
 
     regs = pm.registries
@@ -51,7 +52,7 @@ def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, D
     fake_module(full, fake)  # unit costs are measured by running blocks on fake tensors
     with fake:
         partition = partition_model(adapter, full, cfg.masker, spec)
-    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners))
+    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners), plan_nodes(cfg, world_size))
     return data, spec, source, adapter, partition, plan.replicated(int(cfg.fsdp.shard_size))
 
 
@@ -133,6 +134,9 @@ def failure_tolerance(cfg: DictConfig, pm: Any, partition: Partition, replicas: 
     fewest = min(replicas.owner_counts(), default=replicas.world_size)
     out: dict[str, Any] = {"survived": survived, "weakest_units": [
         partition.units[u].name for u in range(replicas.num_units) if replicas.k(u) == fewest][:8]}
+    if replicas.nodes > 1:  # a node is the usual unit of failure: its ranks die together
+        out["nodes"] = replicas.nodes
+        out["nodes_survived"] = replicas.node_failures_survived(replicas.nodes)
     if not list(cfg.masker.capacity) and replicas.world_size > 1:  # per-rank capacities have no one coverage to name
         masker = pm.registries["masker"].create(cfg.masker.name, cfg.masker)
         out["coverage_for_one"] = smallest_coverage(masker, partition, replicas.world_size, int(cfg.seed), 2)
@@ -170,6 +174,11 @@ def failure_line(report: dict[str, Any]) -> str:
     else:
         text = (f"failures: one dead rank can take units no other rank holds ({', '.join(f['weakest_units'])}"
                 f"{', ...' if len(f['weakest_units']) == 8 else ''})")
+    if "nodes" in f:
+        n, lost = f["nodes"], f["nodes_survived"]
+        text += (f"; survives any {lost} of {n} nodes dying at once" if lost > 0 else
+                 f"; one dead node of {n} can take units held only on it (owners across nodes need each unit on "
+                 f"at least 2 ranks: masker.min_owners=2)")
     c = f.get("coverage_for_one")
     if c is not None:
         text += f"; the smallest masker.coverage that survives one failure here is {c:.4g} (with masker.min_owners=2)"

@@ -302,7 +302,8 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
     names = [u.name for u in partition.units]
     log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
     log.image("plan/ownership_matrix", plan.as_image())
-    log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"]})
+    log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
+                    **({"plan/node_failures_survived": plan_dict["node_failures_survived"]} if "nodes" in plan_dict else {})})
     counts = plan.owner_counts()
     log.histogram("plan/owner_counts", counts)  # how many units have k owners; the unit is not a step
     log.text("plan/owners_by_unit", "| unit | owners | ranks |\n|---|---|---|\n" + "\n".join(

@@ -23,6 +23,7 @@ from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, LaunchE
                                      RunContext)
 from subnetdp.core.errors import ConfigError, RankMismatchError, SubnetdpError
 from subnetdp.core.plan import MaskPlan, make_plan
+from subnetdp.launchers.nodes import plan_nodes
 from subnetdp.core.plugins import PluginManager
 from subnetdp.launchers import init_method
 from subnetdp.sdp.construct import meta_model
@@ -72,7 +73,7 @@ def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Dat
     full = meta_model(adapter, spec)
     partition = partition_model(adapter, full, cfg.masker, spec)
     # With FSDP the plan is made over the replicas; the S ranks of a replica own the same units.
-    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners))
+    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners), plan_nodes(cfg, world_size))
     return data, spec, adapter, full, partition, plan.replicated(int(cfg.fsdp.shard_size))
 
 

@@ -115,7 +115,7 @@ FROZEN_API: dict[str, list[str]] = {
         "__init__(self, rank: 'int' = 0, world_size: 'int' = 1, local_rank: 'int' = 0, local_world_size: 'int' = 1, launcher: 'str' = 'none') -> None",
     ],
     'MaskPlan': [
-        "__init__(self, world_size: 'int', owned: 'list[list[int]]', num_units: 'int') -> None",
+        "__init__(self, world_size: 'int', owned: 'list[list[int]]', num_units: 'int', nodes: 'int' = 1) -> None",
         "as_image(self) -> 'np.ndarray'",
         "cost_per_rank(self, partition: 'Partition') -> 'list[float]'",
         "digest(self) -> 'str'",
@@ -142,7 +142,7 @@ FROZEN_API: dict[str, list[str]] = {
         'plan(self, partition: \'Partition\', world_size: \'int\', seed: \'int\') -> "\'MaskPlan\'"',
     ],
     'MaskerConfig': [
-        "__init__(self, name: 'str' = '???', granularity: 'str' = 'block', regime: 'str' = 'forward', coverage: 'float' = 0.5, min_owners: 'int' = 1, group_by: 'str' = 'auto', rescale: 'Optional[bool]' = None, units_per_layer: 'int' = 8, refresh_every: 'int' = 1, resample_every: 'int' = 0, capacity: 'list' = <factory>) -> None",
+        "__init__(self, name: 'str' = '???', granularity: 'str' = 'block', regime: 'str' = 'forward', coverage: 'float' = 0.5, min_owners: 'int' = 1, group_by: 'str' = 'auto', rescale: 'Optional[bool]' = None, units_per_layer: 'int' = 8, refresh_every: 'int' = 1, resample_every: 'int' = 0, capacity: 'list' = <factory>, nodes: 'Optional[int]' = None) -> None",
     ],
     'ModelAdapter': [
         'blocks(self, submodel: "\'nn.Module\'") -> "list[\'nn.Module\']"',
@@ -296,6 +296,7 @@ FROZEN_CLI: dict[str, list[str]] = {
         '--margin',
         '--memory',
         '--no-estimate',
+        '--nodes',
         '--png',
         '--world-size/-n',
         '<[RECIPE] [key=value ...]>',
