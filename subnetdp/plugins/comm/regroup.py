@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from subnetdp.core.errors import SubnetdpError
+from subnetdp import SubnetdpError
 
 REGROUP_KEY = "subnetdp/regroup"  # + /<generation>/...: one set of keys per re-formation
 DEAD_KEY = "subnetdp/dead"  # + /<old rank>: written by the supervisor when it reaps a worker
