@@ -21,12 +21,9 @@ import torch.distributed as dist
 from subnetdp import SubnetdpError
 
 REGROUP_KEY = "subnetdp/regroup"  # + /<generation>/...: one set of keys per re-formation
-DEAD_KEY = "subnetdp/dead"  # + /<old rank>: written by the supervisor when it reaps a worker
-
-
-def mark_dead(store: Any, rank: int, how: str) -> None:
-    """Said by the supervisor, which saw the process end: the survivors need not wait for it."""
-    store.set(f"{DEAD_KEY}/{rank}", how)
+#: + /<old rank>: written by the supervisor when it reaps a worker (``launchers/supervisor.py``, the
+#: same literal: a plugin imports only the public API), so no survivor waits out a timeout for it
+DEAD_KEY = "subnetdp/dead"
 
 
 @dataclass(frozen=True)
@@ -64,12 +61,37 @@ class Membership:
         return self.members.index(old)
 
 
+def wait_or_regroup(work: Any, store: Any, world: Sequence[int], generation: int, poll_s: float = 0.005) -> bool:
+    """Wait for ``work``; True when it finished, False as soon as a re-formation is under way.
+
+    A ring all-reduce blocks a member on its neighbour, not on the dead rank: a survivor two hops
+    away would see nothing until ``comm.timeout_s`` (20 s of a 20 s timeout, measured). It watches
+    the store instead: the supervisor's death mark or another survivor's registration for this
+    generation ends its wait. A failed work raises from ``wait`` as before.
+    """
+    marks = [f"{DEAD_KEY}/{r}" for r in world] + [f"{REGROUP_KEY}/{generation}/alive/{r}" for r in world]
+    while not work.is_completed():
+        if any(store.check([k]) for k in marks):
+            return False
+        time.sleep(poll_s)
+    work.wait()
+    return True
+
+
+def release(old: Any) -> None:
+    """Abort this survivor's old process group: its pending work is abandoned, its sockets closed."""
+    try:
+        old.abort()
+    except Exception:  # already broken or gone: nothing left to release
+        pass
+
+
 def agree(store: Any, old_rank: int, old_world: Sequence[int], lost: Sequence[int], generation: int,
           last_step: int, timeout_s: float) -> Membership:
     """Agree with the other survivors on the new membership (every survivor calls this).
 
     Each survivor registers itself with its last finished step. The first survivor to see every
-    member either registered or reaped by the supervisor (``mark_dead``), or ``timeout_s`` pass (a
+    member either registered or reaped by the supervisor (``launchers/supervisor.py``), or ``timeout_s`` pass (a
     stalled member), proposes the members registered at that moment;
     ``compare_set`` keeps the first proposal, so all survivors adopt the same one. A survivor that
     registers after the decision is not in it: it raises, and must leave (its units have co-owners).
