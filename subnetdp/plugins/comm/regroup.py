@@ -1,0 +1,142 @@
+"""Re-forming the world in-process after a peer is lost: membership, commit step, fresh process groups.
+
+The survivors of a failed collective meet at the job's ``TCPStore`` (hosted by the supervisor, a
+process that outlives every worker: docs/inprocess.md), agree on who is still there and on the last
+step they all finished, and build a new world and new owner groups under a fresh store prefix. No
+process restarts and no rendezvous of torch's elastic agent is involved: the agent would tear every
+worker down. The agreement is one ``compare_set`` on the store (the store serialises it: the first
+proposal wins and every survivor reads the same one), so no survivor can adopt another membership.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from subnetdp import SubnetdpError
+
+REGROUP_KEY = "subnetdp/regroup"  # + /<generation>/...: one set of keys per re-formation
+#: + /<old rank>: written by the supervisor when it reaps a worker (``launchers/supervisor.py``, the
+#: same literal: a plugin imports only the public API), so no survivor waits out a timeout for it
+DEAD_KEY = "subnetdp/dead"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What every survivor agreed on: who goes on, under which ranks, from which step."""
+
+    generation: int
+    members: tuple[int, ...]  # old ranks that go on, ascending; the new rank of members[i] is i
+    last_steps: tuple[int, ...]  # the last finished step each member reported, in members' order
+    old_rank: int
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.old_rank)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def commit_step(self) -> int:
+        """The step every survivor finished: the one they all continue from."""
+        return min(self.last_steps)
+
+    @property
+    def consistent(self) -> bool:
+        """Whether every survivor stands at the same step (docs/checkpoints.md: they can be one apart)."""
+        return len(set(self.last_steps)) == 1
+
+    @property
+    def prefix(self) -> str:
+        return f"{REGROUP_KEY}/{self.generation}"
+
+    def new_rank(self, old: int) -> int:
+        return self.members.index(old)
+
+
+def wait_or_regroup(work: Any, store: Any, world: Sequence[int], generation: int, poll_s: float = 0.005) -> bool:
+    """Wait for ``work``; True when it finished, False as soon as a re-formation is under way.
+
+    A ring all-reduce blocks a member on its neighbour, not on the dead rank: a survivor two hops
+    away would see nothing until ``comm.timeout_s`` (20 s of a 20 s timeout, measured). It watches
+    the store instead: the supervisor's death mark or another survivor's registration for this
+    generation ends its wait. A failed work raises from ``wait`` as before.
+    """
+    marks = [f"{DEAD_KEY}/{r}" for r in world] + [f"{REGROUP_KEY}/{generation}/alive/{r}" for r in world]
+    while not work.is_completed():
+        if any(store.check([k]) for k in marks):
+            return False
+        time.sleep(poll_s)
+    work.wait()
+    return True
+
+
+def release(old: Any) -> None:
+    """Abort this survivor's old process group: its pending work is abandoned, its sockets closed."""
+    try:
+        old.abort()
+    except Exception:  # already broken or gone: nothing left to release
+        pass
+
+
+def agree(store: Any, old_rank: int, old_world: Sequence[int], lost: Sequence[int], generation: int,
+          last_step: int, timeout_s: float) -> Membership:
+    """Agree with the other survivors on the new membership (every survivor calls this).
+
+    Each survivor registers itself with its last finished step. The first survivor to see every
+    member either registered or reaped by the supervisor (``launchers/supervisor.py``), or ``timeout_s`` pass (a
+    stalled member), proposes the members registered at that moment;
+    ``compare_set`` keeps the first proposal, so all survivors adopt the same one. A survivor that
+    registers after the decision is not in it: it raises, and must leave (its units have co-owners).
+    """
+    prefix = f"{REGROUP_KEY}/{generation}"
+    store.set(f"{prefix}/alive/{old_rank}", str(int(last_step)))
+    deadline = time.monotonic() + timeout_s
+    waiting = [r for r in old_world if r not in set(lost)]
+    while waiting and time.monotonic() < deadline:
+        waiting = [r for r in waiting if not store.check([f"{prefix}/alive/{r}"])
+                   and not store.check([f"{DEAD_KEY}/{r}"])]
+        time.sleep(0.01)
+    present = [r for r in old_world if store.check([f"{prefix}/alive/{r}"])]
+    steps = [int(store.get(f"{prefix}/alive/{r}")) for r in present]
+    proposal = json.dumps({"members": present, "steps": steps})
+    decided = json.loads(store.compare_set(f"{prefix}/decided", "", proposal))
+    members, steps = tuple(decided["members"]), tuple(decided["steps"])
+    if old_rank not in members:
+        raise SubnetdpError(f"rank {old_rank} reached the re-formation {generation} after the survivors "
+                            f"{list(members)} had agreed without it; it leaves (its units have co-owners)")
+    return Membership(generation, members, steps, old_rank)
+
+
+def form_world(store: Any, membership: Membership, timeout_s: float) -> Any:
+    """A gloo process group of the survivors under the re-formation's own prefix (~6 ms here).
+
+    # collective: every survivor of the membership reaches this.
+    """
+    pg_store = dist.PrefixStore(f"{membership.prefix}/world", store)
+    return dist.ProcessGroupGloo(pg_store, membership.rank, membership.world_size,
+                                 datetime.timedelta(seconds=timeout_s))
+
+
+def form_group(store: Any, membership: Membership, owners_old: Sequence[int], timeout_s: float) -> Any:
+    """The process group of one owner group, named by its members' old ranks, among its survivors.
+
+    Only the group's surviving members call it (a ProcessGroupGloo is made by its members alone,
+    unlike ``dist.new_group``, which every rank of the world must enter). Returns ``None`` for a
+    caller outside the group.
+    # collective: every surviving owner of this group reaches this.
+    """
+    alive = [r for r in sorted(owners_old) if r in membership.members]
+    if membership.old_rank not in alive:
+        return None
+    key = "-".join(map(str, alive))
+    pg_store = dist.PrefixStore(f"{membership.prefix}/group/{key}", store)
+    return dist.ProcessGroupGloo(pg_store, alive.index(membership.old_rank), len(alive),
+                                 datetime.timedelta(seconds=timeout_s))
