@@ -27,7 +27,7 @@ from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.construct import meta_model
 from subnetdp.sdp.flops import FlopRatios
 from subnetdp.sdp.variants import partition_model
-from subnetdp.train.checkpoints.resume import check_resume_source
+from subnetdp.train.checkpoints.checkpointer import check_resume_source
 from subnetdp.train.evaluation import load_tasks
 from subnetdp.train.runlock import RunLock, RunLockedError
 from subnetdp.train.state import TrainState
