@@ -22,7 +22,7 @@ from subnetdp.train.configure import load_config
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.train.setup import setup
 from subnetdp.core.plugins import PluginManager
-from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.train.checkpoints.checkpointer import Checkpointer
 from subnetdp.train.checkpoints.source import CheckpointPieces
 from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
 

@@ -30,11 +30,11 @@ def _worker(rank: int, world: int, store: str, run_dir: str, args: dict, out: st
     from subnetdp.train.configure import load_config
     from subnetdp.core.contracts import LaunchEnv
     from subnetdp.core.plugins import PluginManager
-    from subnetdp.train.checkpoints import resume
+    from subnetdp.train.checkpoints import checkpointer
     from subnetdp.train.loop import train
 
     times: list[float] = []
-    save = resume.Checkpointer.save
+    save = checkpointer.Checkpointer.save
 
     def timed(self, step):  # the wall time of one save on this rank, barriers included
         began = time.perf_counter()
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, store: str, run_dir: str, args: dict, out: st
         finally:
             times.append(time.perf_counter() - began)
 
-    resume.Checkpointer.save = timed
+    checkpointer.Checkpointer.save = timed
     pm = PluginManager()
     cfg = load_config("resnet18_digits", [f"comm.init_method=file://{store}", f"run.dir={run_dir}", "run.name=bench",
                                       f"masker.coverage={args['coverage']}", f"train.steps={args['steps']}",

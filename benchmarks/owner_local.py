@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, store: str, recipe: str, overrides: list[str], 
     from subnetdp.train.configure import load_config
     from subnetdp.core.contracts import LaunchEnv
     from subnetdp.core.plugins import PluginManager
-    from subnetdp.train.checkpoints.resume import Checkpointer
+    from subnetdp.train.checkpoints.checkpointer import Checkpointer
     from subnetdp.train.evaluation import evaluate_run
     from subnetdp.train.setup import setup
 

@@ -20,7 +20,7 @@ from subnetdp.launchers import init_method, nodes
 from subnetdp.parallel import fsdp
 from subnetdp.sdp import local_steps
 from subnetdp.train import downstream, optim, upfront
-from subnetdp.train.checkpoints import resume
+from subnetdp.train.checkpoints import checkpointer
 
 
 def check_config(cfg: DictConfig, registries: dict[str, Any]) -> None:
@@ -28,7 +28,7 @@ def check_config(cfg: DictConfig, registries: dict[str, Any]) -> None:
     optim.check_config(cfg)
     init_method.check_config(cfg)
     nodes.check_config(cfg)
-    resume.check_config(cfg)
+    checkpointer.check_config(cfg)
     fsdp.check_config(cfg, registries)
     local_steps.check_config(cfg)
     downstream.check_config(cfg, registries)

@@ -17,7 +17,7 @@ from subnetdp.core.contracts import LaunchEnv, RunContext, RunResult
 from subnetdp.core.errors import PeerLost
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
-from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.train.checkpoints.checkpointer import Checkpointer
 from subnetdp.train.checkpoints.source import seed_host_rngs
 from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run

@@ -354,7 +354,7 @@ def summarise(ctx: RunContext, state: "TrainState", meter: Meter, done: int, eva
 def final_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
     """Where the last step's checkpoint went and its size, or why there is none."""
     from subnetdp.train.checkpoints import files as ck
-    from subnetdp.train.checkpoints.resume import AUTO_FINAL_MIN_STEPS
+    from subnetdp.train.checkpoints.checkpointer import AUTO_FINAL_MIN_STEPS
 
     path = ck.step_dir(ctx.run_dir, step)
     if (path / ck.MANIFEST).is_file():

@@ -29,7 +29,7 @@ from subnetdp.launchers import init_method
 from subnetdp.sdp.construct import meta_model
 from subnetdp.sdp.flops import FlopRatios
 from subnetdp.sdp.variants import partition_model
-from subnetdp.train.checkpoints.resume import check_resume_source
+from subnetdp.train.checkpoints.checkpointer import check_resume_source
 from subnetdp.train.evaluation import load_tasks
 from subnetdp.train.runlock import RunLock, RunLockedError
 from subnetdp.train.state import TrainState

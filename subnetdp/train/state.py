@@ -37,7 +37,8 @@ from subnetdp.sdp.union import scalable_branches
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
 from subnetdp.sdp.synchronizers import make_synchronizer
 from subnetdp.sdp.variants import is_backward
-from subnetdp.train.checkpoints.files import latest_checkpoint, step_faults
+from subnetdp.train.checkpoints.files import latest_checkpoint
+from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.train.step import StepContext, StepProgress, StepResult, train_step
 

@@ -20,7 +20,7 @@ from subnetdp.core.contracts import LaunchEnv
 from subnetdp.core.errors import PlanError
 from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.train.checkpoints.resume import Checkpointer
+from subnetdp.train.checkpoints.checkpointer import Checkpointer
 from subnetdp.train.checkpoints.source import optimizer_params
 from subnetdp.train.checkpoints.units import OPTIM, SCALAR, PieceReader, item_key, writers
 from subnetdp.train.loop import train_loop

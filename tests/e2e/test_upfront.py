@@ -17,7 +17,7 @@ import torch
 
 from subnetdp import cli
 from subnetdp.train.checkpoints import files as ck
-from subnetdp.train.checkpoints.resume import final_wanted
+from subnetdp.train.checkpoints.checkpointer import final_wanted
 from tests.helpers import small_config
 
 TRAIN = ["train", "resnet18_digits", "launch.nproc=2", "train.steps=2", "optim.warmup_steps=0", "train.progress=false"]

@@ -217,3 +217,22 @@ def test_local_steps_hand_a_nonfinite_inner_step_to_the_synchronisation(tmp_path
     assert "in the local steps before the synchronisation at step 2 (rank 0: 1 step(s))" in str(e.value)
     run = train_loop(tmp_path, "ls-skip", "train.steps=4", *local, "train.on_nonfinite=skip")
     assert run.state.step == 4 and run.state.synchronizer.syncs == 2
+
+
+def test_resume_refuses_a_float64_piece_naming_file_piece_and_dtype(ckpt):
+    """A piece stored as float64 is refused on resume (as ``eval`` refuses it), not cast to float32."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    manifest = json.loads((ckpt / ck.MANIFEST).read_text())
+    key, entry = next((k, e) for k, e in manifest["pieces"].items() if "@" not in k)
+    f = ckpt / entry["file"]
+    with safe_open(str(f), "pt") as opened:
+        metadata = opened.metadata()  # the shard's identity (format, run, step, rank) stays
+    tensors = load_file(f)
+    tensors[key] = tensors[key].double()
+    save_file(tensors, f, metadata=metadata)
+    manifest["files"][f.name] = {"bytes": f.stat().st_size, "sha256": ck.sha256_file(f)}
+    (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
+    msg = _resume_error(ckpt)
+    assert msg.count("\n") == 0 and str(f) in msg and f"piece {key} is float64" in msg and "float32" in msg

@@ -78,3 +78,37 @@ def test_an_error_that_ends_a_worker_is_one_line_and_its_traceback_is_kept_in_th
     text = log.read_text()
     assert "rank 0 stopped in step 2: RuntimeError: the kernel failed\n" in text
     assert "Traceback (most recent call last)" in text and "in failing" in text and "its second line" in text
+
+
+def test_every_kill_point_lives_in_one_module_and_fires_only_where_asked(tmp_path, monkeypatch):
+    """One module names every test-only fault; checkpoints and the run state only use it."""
+    import ast
+    import errno
+
+    import pytest
+
+    import subnetdp.train.state as state_mod
+    from subnetdp.train import faults
+
+    names = [n for n in dir(faults) if n.startswith(("KILL_", "NO_SPACE"))]
+    assert len(names) == 8 and all(getattr(faults, n).startswith("SUBNETDP_TEST_") for n in names)
+    assert all(getattr(ck, n) == getattr(faults, n) for n in names)  # the old spelling ck.* keeps working
+    # The run state takes its fault hooks from the faults module, not from the checkpoint files.
+    tree = ast.parse(Path(state_mod.__file__).read_text())
+    froms = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("subnetdp.train.faults", "step_faults") in froms and ("subnetdp.train.checkpoints.files", "step_faults") not in froms
+    for n in names:
+        monkeypatch.delenv(getattr(faults, n), raising=False)
+    assert faults.step_faults(1, tmp_path) is None  # nothing set: the training step pays nothing
+    faults.no_space(5, tmp_path / "f")  # not set: no error
+    monkeypatch.setenv(faults.NO_SPACE_IN_ASSEMBLY, "5")
+    faults.no_space(4, tmp_path / "f")  # another step: no error
+    with pytest.raises(OSError) as e:
+        faults.no_space(5, tmp_path / "f")
+    assert e.value.errno == errno.ENOSPC and str(tmp_path / "f") in str(e.value)
+    monkeypatch.setenv(faults.KILL_IN_UPDATE, "3")
+    monkeypatch.setenv(faults.KILL_RANK, "0")
+    hook = faults.step_faults(1, tmp_path)
+    assert hook is not None
+    hook("update", 3)  # rank 1 is not listed: this process survives and leaves no marker
+    assert not faults.fault_marker(tmp_path, faults.KILL_IN_UPDATE, 3, 1).exists()

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import signal
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,19 +41,15 @@ import torch
 from subnetdp.core import records
 from subnetdp.core.errors import CheckpointError
 from subnetdp.train.checkpoints import schema
+# The kill points live in one module; re-exported here because tests and benchmarks read them as ck.*.
+from subnetdp.train.faults import (KILL_AT_STEP, KILL_IN_PRUNE, KILL_IN_SYNC, KILL_IN_UPDATE, KILL_IN_WRITE,  # noqa: F401
+                                   KILL_RANK, KILL_SIGNAL, NO_SPACE_IN_ASSEMBLY, fault_marker, fault_point,
+                                   step_faults)
 
 FORMAT = "subnetdp-checkpoint/2"
 FORMAT_1 = "subnetdp-checkpoint/1"  # per-rank copies of every held tensor: refused, see read_manifest
 MANIFEST = "MANIFEST.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
-KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL between temp file and rename
-KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL rank 0 amid a removal
-KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
-KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
-KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
-KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
-NO_SPACE_IN_ASSEMBLY = "SUBNETDP_TEST_NO_SPACE_IN_ASSEMBLY"  # test-only: ENOSPC while building a recovered step
 
 
 # --------------------------------------------------------------------------- layout
@@ -125,37 +120,6 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- atomic writes
-
-
-def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
-    """Test-only fault injection: SIGKILL this process once when ``$name`` equals ``step``.
-
-    Fires on the ranks listed in ``$SUBNETDP_TEST_KILL_RANK`` (default 1; "1,2" kills two at the same
-    point), once per rank and run directory (a marker file remembers it), so a restarted group runs
-    through. ``$SUBNETDP_TEST_KILL_SIGNAL=STOP`` sends SIGSTOP instead: a stalled peer, which its
-    agent's SIGKILL ends. Does nothing unless the variable is set.
-    """
-    if os.environ.get(name) != str(step) or str(rank) not in os.environ.get(KILL_RANK, "1").split(","):
-        return
-    marker = fault_marker(marker_dir, name, step, rank)
-    if marker.exists():
-        return
-    marker.write_text("fired\n")
-    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get(KILL_SIGNAL) == "STOP" else signal.SIGKILL)
-
-
-def fault_marker(marker_dir: Path, name: str, step: int, rank: int) -> Path:
-    """The file :func:`fault_point` leaves when it fired (tests check the kill really happened)."""
-    return Path(marker_dir) / f".{name.lower()}-{step}.rank{rank}"
-
-
-def step_faults(rank: int, marker_dir: Path) -> Callable[[str, int], None] | None:
-    """Test-only: the training step's fault injection (``where``: ``sync`` or ``update``), or None
-    when neither :data:`KILL_IN_SYNC` nor :data:`KILL_IN_UPDATE` is set (the usual case)."""
-    names = {"sync": KILL_IN_SYNC, "update": KILL_IN_UPDATE}
-    if not any(os.environ.get(n) for n in names.values()):
-        return None
-    return lambda where, step: fault_point(names[where], step, rank, marker_dir)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -44,6 +44,7 @@ from subnetdp.core.errors import CheckpointError
 from subnetdp.core.records import Int, ListOf, MapOf, Record, Str
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.pieces import global_items
+from subnetdp.train import faults
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import lineage, schema, units
 from subnetdp.train.checkpoints.source import read_plan
@@ -275,8 +276,7 @@ def _build(run_dir: Path, step: int, group: list[Fragment], index: dict[str, dic
                     continue
                 _link(f.path / name, tmp / name)
                 files[name] = entry
-                if os.environ.get(ck.NO_SPACE_IN_ASSEMBLY) == str(step):  # test-only: a full disk
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / name))
+                faults.no_space(step, tmp / name)  # test-only: a full disk
             for key in f.record["held"]:
                 holders.setdefault(key, []).append(f.rank)
         pieces = {}

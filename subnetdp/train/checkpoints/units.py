@@ -185,12 +185,18 @@ class PieceReader:
         self.file_of(key).read_into(key, dst)
 
     def get(self, key: str, prefix: str = "", shape: tuple[int, ...] | None = None,
-            rank: int | None = None) -> torch.Tensor:
+            rank: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         f = self.file_of(key, rank)
         t = f.get(prefix + key)
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{f.path}: tensor {prefix + key} has shape {tuple(t.shape)}, this model needs "
                                   f"{tuple(shape)}: the checkpoint is from a different model")
+        # copy_ would cast silently (a float64 piece into a float32 model loses bits); `eval` refuses
+        # it too, so a resume never trains on values the checkpoint does not hold.
+        if dtype is not None and t.dtype != dtype:
+            raise CheckpointError(f"{f.path}: piece {prefix + key} is {str(t.dtype).removeprefix('torch.')}, this "
+                                  f"model holds {str(dtype).removeprefix('torch.')}: the checkpoint is from a different "
+                                  "model or was edited; convert it to the model's dtype or train in its dtype")
         return t
 
     def kinds(self, key: str, rank: int | None = None) -> dict[str, set[str]]:
@@ -234,7 +240,7 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
         local = found[0]
         param = index.tensors[local]
         dst = _cut(param, found)
-        dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only))
+        dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only, dtype=dst.dtype))
         kinds = reader.kinds(key, mine_only)
         for prefix in kinds["extra"]:
             if local in extra.get(prefix, {}):

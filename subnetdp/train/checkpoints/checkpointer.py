@@ -41,6 +41,7 @@ from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import RunContext
 from subnetdp.core.errors import CheckpointError, ConfigError, PeerLost, SubnetdpError
 from subnetdp.sdp.pieces import LocalIndex, global_items
+from subnetdp.train import faults
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import lineage, survivors, units
 from subnetdp.train.checkpoints.source import CheckpointPieces, extra_by_prefix, local_names, rng_state
@@ -125,7 +126,7 @@ class Checkpointer:
         every, last = int(self.cfg.checkpoint.every), int(self.cfg.train.steps)
         if self.cfg.checkpoint.enabled and ((step == last and final_wanted(self.cfg)) or (every and step % every == 0)):
             self.save(step)
-        ck.fault_point(ck.KILL_AT_STEP, step, self.rank, self.ctx.run_dir)
+        faults.fault_point(faults.KILL_AT_STEP, step, self.rank, self.ctx.run_dir)
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step``: every rank its pieces and own files, then rank 0 the plan,

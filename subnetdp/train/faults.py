@@ -1,0 +1,70 @@
+"""Test-only fault injection: every kill point the reliability tests and benchmarks use, in one place.
+
+Each point is an environment variable holding a step number; nothing fires unless it is set, so a
+production run pays one ``os.environ.get`` per point. The names are part of what tests and
+``benchmarks/recovery.py`` rely on: do not rename them.
+
+- :data:`KILL_AT_STEP`: after this step's checkpoint decision (the checkpointer).
+- :data:`KILL_IN_WRITE`: between a checkpoint file's temporary name and its rename.
+- :data:`KILL_IN_PRUNE`: rank 0, amid the removal of an old checkpoint.
+- :data:`KILL_IN_SYNC` / :data:`KILL_IN_UPDATE`: inside this step's gradient averaging / right after
+  its update (the training step, through :func:`step_faults`).
+- :data:`NO_SPACE_IN_ASSEMBLY`: ENOSPC while building a recovered step (:func:`no_space`).
+
+:data:`KILL_RANK` picks the ranks ("1", the default, or "1,2" at once) and :data:`KILL_SIGNAL` the
+signal (KILL, the default, or STOP: a stalled rank instead of a dead one).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
+KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL between temp file and rename
+KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL rank 0 amid a removal
+KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
+KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
+KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
+KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
+NO_SPACE_IN_ASSEMBLY = "SUBNETDP_TEST_NO_SPACE_IN_ASSEMBLY"  # test-only: ENOSPC while building a recovered step
+
+
+def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
+    """Test-only fault injection: SIGKILL this process once when ``$name`` equals ``step``.
+
+    Fires on the ranks listed in ``$SUBNETDP_TEST_KILL_RANK`` (default 1; "1,2" kills two at the same
+    point), once per rank and run directory (a marker file remembers it), so a restarted group runs
+    through. ``$SUBNETDP_TEST_KILL_SIGNAL=STOP`` sends SIGSTOP instead: a stalled peer, which its
+    agent's SIGKILL ends. Does nothing unless the variable is set.
+    """
+    if os.environ.get(name) != str(step) or str(rank) not in os.environ.get(KILL_RANK, "1").split(","):
+        return
+    marker = fault_marker(marker_dir, name, step, rank)
+    if marker.exists():
+        return
+    marker.write_text("fired\n")
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get(KILL_SIGNAL) == "STOP" else signal.SIGKILL)
+
+
+def fault_marker(marker_dir: Path, name: str, step: int, rank: int) -> Path:
+    """The file :func:`fault_point` leaves when it fired (tests check the kill really happened)."""
+    return Path(marker_dir) / f".{name.lower()}-{step}.rank{rank}"
+
+
+def step_faults(rank: int, marker_dir: Path) -> Callable[[str, int], None] | None:
+    """Test-only: the training step's fault injection (``where``: ``sync`` or ``update``), or None
+    when neither :data:`KILL_IN_SYNC` nor :data:`KILL_IN_UPDATE` is set (the usual case)."""
+    names = {"sync": KILL_IN_SYNC, "update": KILL_IN_UPDATE}
+    if not any(os.environ.get(n) for n in names.values()):
+        return None
+    return lambda where, step: fault_point(names[where], step, rank, marker_dir)
+
+
+def no_space(step: int, what: Path) -> None:
+    """Test-only: raise ENOSPC (a full disk) naming ``what`` when ``$NO_SPACE_IN_ASSEMBLY`` equals ``step``."""
+    if os.environ.get(NO_SPACE_IN_ASSEMBLY) == str(step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(what))
