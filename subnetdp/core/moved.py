@@ -35,7 +35,7 @@ MOVED: dict[str, str] = {
     "subnetdp.core.optim": "subnetdp.train.optim",
     "subnetdp.core.metrics": "subnetdp.train.meter",
     "subnetdp.core.checkpoint": "subnetdp.train.checkpoints.files",
-    "subnetdp.core.resume": "subnetdp.train.checkpoints.resume",  # itself moved: the next line
+    "subnetdp.core.resume": "subnetdp.train.checkpoints.checkpointer",
     "subnetdp.train.checkpoints.resume": "subnetdp.train.checkpoints.checkpointer",  # named after its class
     "subnetdp.core.runlock": "subnetdp.train.runlock",
     "subnetdp.core.upfront": "subnetdp.train.upfront",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from subnetdp.core.contracts import RunContext
 from subnetdp.sdp.verify import OwnersDisagree, Verdict, compare, repair, unit_digests, unit_name
-from subnetdp.train.checkpoints.resume import final_wanted
+from subnetdp.train.checkpoints.checkpointer import final_wanted
 from subnetdp.train.failures import log_path, stamp
 from subnetdp.train.verify_faults import flip_bits
 
