@@ -25,6 +25,7 @@ MOVED: dict[str, str] = {
     "subnetdp.hf": "subnetdp.evaluate.hf",
     "subnetdp.data_prep": "subnetdp.plugins.data.corpus",
     "subnetdp.core.sync": "subnetdp.sdp.sync",
+    "subnetdp.sdp.synchronizers": "subnetdp.sdp.sync.factory",
     "subnetdp.core.backward": "subnetdp.sdp.backward",
     "subnetdp.core.branches": "subnetdp.sdp.branches",
     "subnetdp.core.layout": "subnetdp.sdp.pieces",

@@ -105,7 +105,7 @@ class RankParallelism:
                             self.reshard_after_forward)
 
     def sharding(self) -> Any:
-        """What :func:`~subnetdp.sdp.synchronizers.make_synchronizer` needs for sharded gradients
+        """What :func:`~subnetdp.sdp.sync.make_synchronizer` needs for sharded gradients
         (:class:`~subnetdp.parallel.fsdp.Sharding`: FSDP's averager), or None."""
         if not self.sharded:
             return None

@@ -253,7 +253,7 @@ class ShardedMemoryTracker(TensorMemoryTracker):
 
 @dataclass(frozen=True)
 class Sharding:
-    """What :func:`~subnetdp.sdp.synchronizers.make_synchronizer` is given for a sharded model: it builds the
+    """What :func:`~subnetdp.sdp.sync.make_synchronizer` is given for a sharded model: it builds the
     :class:`ShardedOwnerAverager` (``sdp/`` stands below ``parallel/`` and does not know it).
 
     Attributes:

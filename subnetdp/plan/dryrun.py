@@ -27,7 +27,7 @@ from subnetdp.train.optim import build_optimizer
 from subnetdp.train.step import StepContext, train_step
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import Checked, SyncSettings
-from subnetdp.sdp.synchronizers import make_synchronizer
+from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.construct import build_model
 from subnetdp.sdp.variants import is_backward, local_model
 

@@ -28,7 +28,7 @@ from subnetdp.train.step import StepContext, train_step
 from subnetdp.core.plan import MaskPlan
 from subnetdp.parallel.fsdp import CollectiveBytes, ShardedMemoryTracker, Sharding, apply_fsdp, local, mixed_precision
 from subnetdp.sdp.sync import SyncSettings
-from subnetdp.sdp.synchronizers import make_synchronizer
+from subnetdp.sdp.sync import make_synchronizer
 
 
 def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Partition, plan: MaskPlan,

@@ -57,7 +57,8 @@ from torch import nn
 from subnetdp.core.contracts import Communicator, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, NonFiniteError
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.sync import FLAG_SLOTS, OwnerGroupAverager, SyncSettings
+from subnetdp.sdp.sync.averager import OwnerGroupAverager
+from subnetdp.sdp.sync.settings import FLAG_SLOTS, SyncSettings
 
 
 def check_config(cfg: Any) -> None:
@@ -102,7 +103,7 @@ class LocalStepsSynchronizer:
     when a cycle ends (:meth:`due`, :meth:`synchronise`). During the warm-up (``settings.warmup_steps``)
     it is the per-step synchroniser: every call goes to its owner buckets, which average gradients
     during backward, and :attr:`local` is False until the warm-up's last step. Made by
-    :func:`~subnetdp.sdp.synchronizers.make_synchronizer` for ``sync.mode=local_steps``.
+    :func:`~subnetdp.sdp.sync.make_synchronizer` for ``sync.mode=local_steps``.
 
     Args:
         model, pmap, plan, partition, comm: as for :class:`OwnerGroupAverager`.

@@ -35,7 +35,7 @@ from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.sdp.resample import Resampler, receive_from_owners
 from subnetdp.sdp.union import scalable_branches
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
-from subnetdp.sdp.synchronizers import make_synchronizer
+from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.variants import is_backward
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.faults import step_faults

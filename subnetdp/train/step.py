@@ -5,7 +5,7 @@ estimate and the run cannot drift apart. What differs between them is given in a
 :class:`StepContext`, not branched on: the batches (real, or one fake batch repeated), the guard
 (:class:`~subnetdp.sdp.sync.NonFiniteGuard`, or the dry run's, which cannot read a value) and the
 synchroniser (grouped, sharded or local steps: one protocol, made by
-:func:`~subnetdp.sdp.synchronizers.make_synchronizer`).
+:func:`~subnetdp.sdp.sync.make_synchronizer`).
 """
 
 from __future__ import annotations

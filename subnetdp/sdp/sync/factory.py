@@ -1,8 +1,8 @@
 """The one way to make a gradient synchroniser: :func:`make_synchronizer`.
 
 The loop (through the training state), both dry runs of ``subnetdp plan`` and FSDP make their
-synchroniser here, from :class:`~subnetdp.sdp.sync.SyncSettings`: per-step owner-group averaging
-(:class:`~subnetdp.sdp.sync.OwnerGroupAverager`), local steps
+synchroniser here, from :class:`~subnetdp.sdp.sync.settings.SyncSettings`: per-step owner-group averaging
+(:class:`~subnetdp.sdp.sync.averager.OwnerGroupAverager`), local steps
 (:class:`~subnetdp.sdp.local_steps.LocalStepsSynchronizer`), or, for a sharded model, what
 ``parallel/`` hands in (FSDP's averager stands a floor above and is passed in, not imported).
 """
@@ -16,7 +16,9 @@ from torch import nn
 from subnetdp.core.contracts import Communicator, ParamMap, Partition
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
-from subnetdp.sdp.sync import GradSynchronizer, OwnerGroupAverager, SyncSettings
+from subnetdp.sdp.sync.averager import OwnerGroupAverager
+from subnetdp.sdp.sync.protocol import GradSynchronizer
+from subnetdp.sdp.sync.settings import SyncSettings
 
 #: What ``parallel/`` hands :func:`make_synchronizer` for sharded (FSDP) models: it builds the
 #: synchroniser from the settings, model, parameter map, plan (over all ranks), partition and communicator.
