@@ -167,12 +167,20 @@ def test_two_co_owners_killed_at_once_fall_back_and_name_the_lost_units(tmp_path
     assert f"resumed from {ck.step_dir(run, 2)} (step 2)" in proc.stdout
 
 
-def test_a_unit_with_no_surviving_owner_falls_back_to_the_newest_checkpoint(tmp_path):
-    # Two ranks at C = 0.5: every unit has one owner, so rank 1's death loses its units.
-    proc = _torchrun(tmp_path, "single", "checkpoint.every=2", nproc=2, env={ck.KILL_IN_SYNC: "4"})
+def test_a_unit_with_no_surviving_owner_and_no_checkpoint_restarts_and_names_the_fragments(tmp_path):
+    # Two ranks at C = 0.5: every unit has one owner, so rank 1's death loses its units; no checkpoint
+    # before the end, so the run starts over (a new run id) and sets the old step-3 fragments aside,
+    # saying they are this run's, of step 3, lacking the lost units (not "of another run").
+    proc = _torchrun(tmp_path, "single", nproc=2, env={ck.KILL_IN_SYNC: "4"})
+    run = tmp_path / "single"
     assert "the survivors' files cannot make a whole step: step 3 (from ranks [0]) lacks layer" in proc.stdout
-    assert "(no surviving owner); resuming from the newest complete checkpoint" in proc.stdout
-    assert f"resumed from {ck.step_dir(tmp_path / 'single', 2)} (step 2)" in proc.stdout
+    assert "(no surviving owner); resuming from the start (no checkpoint)" in proc.stdout
+    assert "of another run or of a branch" not in proc.stdout, proc.stdout[-3000:]
+    aside = survivors.set_aside_dir(run)
+    assert re.search(r"subnetdp: set aside this run's 1 survivors' fragment\(s\) of step 3 \(ranks \[0\]\), which "
+                     rf"lack layer\S* .*\(no surviving owner\) in {re.escape(str(aside))}", proc.stdout), proc.stdout[-3000:]
+    assert sorted(p.name for p in aside.glob("*/step_*")) == ["step_00000003.rank_0"]
+    assert proc.returncode == 0 and (ck.step_dir(run, 6) / ck.MANIFEST).is_file()
 
 
 def test_a_killed_worker_reads_as_one_line_per_rank_with_the_traceback_in_the_run_directory(tmp_path):

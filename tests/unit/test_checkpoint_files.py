@@ -236,3 +236,19 @@ def test_resume_refuses_a_float64_piece_naming_file_piece_and_dtype(ckpt):
     (ckpt / ck.MANIFEST).write_text(json.dumps(manifest))
     msg = _resume_error(ckpt)
     assert msg.count("\n") == 0 and str(f) in msg and f"piece {key} is float64" in msg and "float32" in msg
+
+
+@pytest.mark.parametrize("header", [b"[" * 200_000, b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, '
+                                    + b"9" * 5000 + b"]}}", None])
+def test_crafted_safetensors_header_is_one_line_naming_the_file(tmp_path, header):
+    # The header is read a second time by read_into (after safe_open checked it): a file changed in
+    # between, or crafted, must end in a CheckpointError naming it, not a RecursionError or ValueError.
+    path = tmp_path / "rank_0.safetensors"
+    ck.save_safetensors(path, {"w": torch.ones(2)}, {"format": ck.FORMAT, "run_id": "r", "step": "1"})
+    f = ck.TensorFile(path, {"run_id": "r", "step": 1}, {})
+    raw = header if header is not None else b"{}"
+    claimed = len(raw) if header is not None else 1 << 40  # None: a header length beyond the file
+    path.write_bytes(claimed.to_bytes(8, "little") + raw + b"\0" * 8)
+    with pytest.raises(CheckpointError, match=r"rank_0\.safetensors: its safetensors header") as e:
+        f.read_into("w", torch.empty(2))
+    assert "\n" not in str(e.value)

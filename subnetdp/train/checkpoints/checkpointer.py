@@ -365,6 +365,7 @@ class Checkpointer:
         survivors.survivors_dir(run_dir)  # so is one there
         survivors.clean_leftovers(run_dir)
         out: dict[str, Any] = {}
+        current, done = None, None
         if resume == "auto":
             current = lineage.read(run_dir)
             path = self._newest_of(current)
@@ -388,10 +389,10 @@ class Checkpointer:
         run_id = out.get("run_id", uuid.uuid4().hex)
         chain = out.get("lineage", [lineage.new_entry(0)])
         out.update(run_id=run_id, lineage=chain)
-        moved, n = survivors.set_aside_fragments(run_dir, self._expected({"run_id": run_id, "lineage": chain}))
+        moved, frags = survivors.set_aside_fragments(run_dir, self._expected({"run_id": run_id, "lineage": chain}))
         if moved is not None:
-            print(f"subnetdp: set aside {n} survivors' file(s) of another run or of a branch this run does not "
-                  f"continue (resume={resume}) in {moved}", flush=True)
+            for line in _set_aside_lines(frags, current, done.lacking if done else {}, resume):
+                print(f"subnetdp: set aside {line} in {moved}", flush=True)
         lineage.write(run_dir, run_id, chain)
         return out
 
@@ -404,6 +405,24 @@ class Checkpointer:
                 return path
             print(f"subnetdp: not resuming from {path}: {problem}", flush=True)
         return None
+
+
+def _set_aside_lines(frags: list[survivors.Fragment], current: dict[str, Any] | None, lacking: dict[int, str],
+                     resume: str) -> list[str]:
+    """What the fragments set aside were: this run's own (of its recorded lineage; a step that cannot
+    be made whole, or one a restart from the start no longer continues) or another run's or branch's."""
+    own = [f for f in frags if current is not None and lineage.descends(current, f.header) is None]
+    lines = []
+    for step in sorted({f.step for f in own}):
+        mine = [f for f in own if f.step == step]
+        why = (f"which lack {lacking[step]} (no surviving owner)" if step in lacking
+               else "which this restart does not continue from")
+        lines.append(f"this run's {len(mine)} survivors' fragment(s) of step {step} (ranks "
+                     f"{sorted(f.rank for f in mine)}), {why}")
+    if len(own) < len(frags):
+        lines.append(f"{len(frags) - len(own)} survivors' file(s) of another run or of a branch this run does not "
+                     f"continue (resume={resume})")
+    return lines
 
 
 def check_resume_source(cfg: Any) -> None:

@@ -347,10 +347,10 @@ class TensorFile:
         if key not in self._keys:
             self.get(key)  # raises, naming the file
         if self._offsets is None:
-            with open(self.path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            self._offsets = {k: (8 + n + v["data_offsets"][0], v) for k, v in header.items() if k != "__metadata__"}
+            self._offsets = _tensor_offsets(self.path)
+        if key not in self._offsets:
+            raise CheckpointError(f"{self.path}: lacks the tensor {key} in its header: the file changed after it "
+                                  "was opened or is corrupted")
         start, info = self._offsets[key]
         if info["shape"] != list(dst.shape) or info["dtype"] != _ST_DTYPES.get(dst.dtype):
             raise CheckpointError(f"{self.path}: tensor {key} is {info['dtype']} {tuple(info['shape'])}, the model "
@@ -364,6 +364,36 @@ class TensorFile:
             got = f.readinto(memoryview(dst.detach().reshape(-1).view(torch.uint8).numpy()))
         if got != size:
             raise CheckpointError(f"{self.path}: truncated inside tensor {key}")
+
+
+def _tensor_offsets(path: Path) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Each tensor's absolute data offset and header entry, from the safetensors header of ``path``.
+
+    The header is data read from disk: it goes through the project's one JSON reader and is checked
+    before use, so a crafted one (nested 200,000 deep, a 5000-digit integer, a length beyond the file)
+    ends in one line naming the file, never in a traceback."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:
+            raise CheckpointError(f"{path}: its safetensors header claims {n} bytes, the file holds {size}: "
+                                  "truncated or not a safetensors file")
+        try:
+            header = records.parse_json(f.read(n))
+        except records.BadJSON as e:
+            raise CheckpointError(f"{path}: its safetensors header is not valid JSON ({e}): the file is "
+                                  "corrupted") from None
+    offsets = {}
+    for k, v in header.items() if isinstance(header, dict) else [("", None)]:
+        if k == "__metadata__":
+            continue
+        ends = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(ends, list) and len(ends) == 2 and all(type(x) is int for x in ends)
+                and 0 <= ends[0] <= ends[1] <= size - 8 - n and isinstance(v.get("shape"), list)):
+            raise CheckpointError(f"{path}: its safetensors header describes the tensor {k!r} as {str(v)[:80]}: "
+                                  "the file is corrupted")
+        offsets[k] = (8 + n + ends[0], v)
+    return offsets
 
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

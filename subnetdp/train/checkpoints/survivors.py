@@ -175,6 +175,7 @@ class Assembly:
     checkpoint: Path | None
     message: str
     skipped: tuple[str, ...] = ()
+    lacking: dict[int, str] = field(default_factory=dict)  # step -> the units no survivor kept
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,8 @@ def assemble(run_dir: Path, expected: Expected, newest: Path | None) -> Assembly
     by_step: dict[int, list[Fragment]] = {}
     for f in frags:
         by_step.setdefault(f.step, []).append(f)
-    reasons = []
+    reasons: list[str] = []
+    lacking: dict[int, str] = {}
     for step in sorted(by_step, reverse=True):
         group = by_step[step]
         bad = [p for p in (check_fragment(f, expected) for f in group) if p]
@@ -232,8 +234,8 @@ def assemble(run_dir: Path, expected: Expected, newest: Path | None) -> Assembly
         if missing:
             shown = ["shared tensors" if u is None else expected.names.get(u, f"unit {u}") for u in missing]
             ranks = sorted(f.rank for f in group)
-            reasons.append(f"step {step} (from ranks {ranks}) lacks {', '.join(shown[:8])}"
-                           + (f" and {len(shown) - 8} more" if len(shown) > 8 else "") + " (no surviving owner)")
+            lacking[step] = ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
+            reasons.append(f"step {step} (from ranks {ranks}) lacks {lacking[step]} (no surviving owner)")
             continue
         try:
             path = _build(run_dir, step, group, index)
@@ -246,7 +248,7 @@ def assemble(run_dir: Path, expected: Expected, newest: Path | None) -> Assembly
                         f"{sorted(f.rank for f in group)}; lost: {dead}) into {path}", tuple(skipped))
     why = "; ".join(reasons) if reasons else "no fragment is usable"
     return Assembly(None, f"the survivors' files cannot make a whole step: {why}; resuming from {fallback}",
-                    tuple(skipped))
+                    tuple(skipped), lacking)
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -323,15 +325,16 @@ def clean_leftovers(run_dir: Path) -> None:
         ck.remove_checkpoint(d)
 
 
-def set_aside_fragments(run_dir: Path, expected: Expected) -> tuple[Path | None, int]:
+def set_aside_fragments(run_dir: Path, expected: Expected) -> tuple[Path | None, list[Fragment]]:
     """Move every fragment that is not of ``expected``'s run and lineage aside (an explicit resume
-    starts a new lineage: the states they hold are not its past). Returns the folder and how many."""
+    starts a new lineage: the states they hold are not its past). Returns the folder and the fragments
+    moved (the caller says what they were)."""
     root = survivors_dir(run_dir)
     if not root.is_dir():
-        return None, 0
+        return None, []
     skipped: list[str] = []
-    foreign = [f.path for f in read_fragments(run_dir, skipped) if lineage.descends(expected.current, f.header)]
-    return set_aside(run_dir, foreign, "survivors-of-another-lineage"), len(foreign)
+    foreign = [f for f in read_fragments(run_dir, skipped) if lineage.descends(expected.current, f.header)]
+    return set_aside(run_dir, [f.path for f in foreign], "survivors-of-another-lineage"), foreign
 
 
 def check_fragment(f: Fragment, expected: Expected) -> str | None:
