@@ -76,6 +76,28 @@ class MaskPlan:
         """Inverse of :meth:`replicated`: the plan over the replicas (rank ``r * S`` of each)."""
         return MaskPlan(self.world_size // shard_size, self.owned[::shard_size], self.num_units, self.nodes)
 
+    def without(self, members: Sequence[int], min_owners: int = 1) -> "MaskPlan":
+        """The plan over the surviving ``members`` (old ranks, ascending; ``members[i]`` becomes rank i).
+
+        The in-process re-plan rule (docs/inprocess.md): every unit keeps its surviving owners, and
+        a unit left below ``min_owners`` gains the survivors with the fewest units (ties: the lowest
+        rank), so at most the lost ranks' share of the model moves. Raises :class:`PlanError` when a
+        unit has no surviving owner: nobody holds its values, the survivors' files must assemble it.
+        """
+        alive = sorted(int(r) for r in members)
+        new_rank = {old: i for i, old in enumerate(alive)}
+        orphans = [u for u in range(self.num_units) if not any(r in new_rank for r in self._owners[u])]
+        if orphans:
+            raise PlanError(f"unit(s) {orphans[:8]} have no owner among the surviving ranks {alive}")
+        owned = [[u for u in self.owned[old]] for old in alive]
+        for u in range(self.num_units):
+            holders = {new_rank[r] for r in self._owners[u] if r in new_rank}
+            while len(holders) < min(min_owners, len(alive)):
+                gain = min((r for r in range(len(alive)) if r not in holders), key=lambda r: (len(owned[r]), r))
+                owned[gain].append(u)
+                holders.add(gain)
+        return MaskPlan(len(alive), owned, self.num_units)
+
     def owner_counts(self) -> list[int]:
         return [len(o) for o in self._owners]
 

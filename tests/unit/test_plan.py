@@ -117,3 +117,25 @@ def test_node_losses_count_the_nodes_a_unit_spans_not_its_owners():
     assert across.node_failures_survived(2) == 1
     with pytest.raises(_PlanError, match="--nodes=3"):
         plan.node_failures_survived(3)
+
+
+def test_without_keeps_surviving_owners_and_heals_only_below_min_owners():
+    # 4 ranks, C = 0.5: every unit has 2 owners; rank 2 dies
+    plan = MaskPlan(4, [[0, 1, 4], [2, 3, 5], [0, 2, 4], [1, 3, 5]], 6)
+    after = plan.without([0, 1, 3], min_owners=2)
+    assert after.world_size == 3
+    # survivors renumbered in old-rank order, each keeping every unit it held
+    for new, old in enumerate([0, 1, 3]):
+        assert set(plan.owned[old]) <= set(after.owned[new])
+    assert after.owner_counts() == [2] * 6  # units 0, 2, 4 fell to one owner: each gained one
+    gained = [sorted(set(after.owned[new]) - set(plan.owned[old])) for new, old in enumerate([0, 1, 3])]
+    assert sorted(u for g in gained for u in g) == [0, 2, 4]  # only the dead rank's units move
+    assert max(map(len, after.owned)) - min(map(len, after.owned)) <= 1  # to the survivors with fewest units
+    # min_owners=1: nothing moves at all
+    assert plan.without([0, 1, 3]).owned == [plan.owned[0], plan.owned[1], plan.owned[3]]
+
+
+def test_without_refuses_a_unit_with_no_surviving_owner():
+    plan = MaskPlan(4, [[0], [1], [2], [3]], 4)
+    with pytest.raises(PlanError, match=r"unit\(s\) \[2\] have no owner among the surviving ranks \[0, 1, 3\]"):
+        plan.without([0, 1, 3], min_owners=2)
