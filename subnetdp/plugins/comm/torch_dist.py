@@ -7,8 +7,10 @@ all-reduce's payload; a subclass names its ``backend`` and ``device``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import pickle
 import re
 import time
 from typing import Any, Sequence
@@ -18,6 +20,11 @@ import torch.distributed as dist
 
 from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
+from subnetdp.plugins.comm.regroup import DEAD_KEY, Membership, agree, form_group, form_world, release, wait_or_regroup
+
+#: Set by the supervisor (``launch.on_failure=continue``) in every worker it starts: the launcher's
+#: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
+SUPERVISED_ENV = "SUBNETDP_SUPERVISED"
 
 
 class WorkHandle(Handle):
@@ -31,7 +38,7 @@ class WorkHandle(Handle):
             if self.comm is None:
                 self.work.wait()
             else:
-                self.comm._guarded("all_reduce", self.group, self.work.wait)
+                self.comm._guarded("all_reduce", self.group, lambda: self.comm._finish(self.work, "all_reduce"))
 
 
 def _is_timeout(error: BaseException) -> bool:
@@ -162,6 +169,9 @@ class TorchDistCommunicator(Communicator):
         super().__init__(cfg, env)
         self._groups: dict[tuple[int, ...], Any] = {}
         self._stalls = 0  # timed-out collectives so far: each gets its own keys in the store
+        self._job_store: Any = None  # the launcher's store, unprefixed: where the supervisor marks the dead
+        self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
+        self._membership: Membership | None = None
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
@@ -176,6 +186,8 @@ class TorchDistCommunicator(Communicator):
             # group writes carry no attempt number: a restarted rank could read a dead peer's
             # address. A prefix per round keeps every round's keys apart.
             store, _, _ = next(dist.rendezvous(init_method, self.rank, self.world_size, timeout=kwargs["timeout"]))
+            if os.environ.get(SUPERVISED_ENV) == "1":
+                self._job_store = store
             kwargs["store"] = dist.PrefixStore(round_prefix(store, self.rank), store)
         else:
             if init_method == "env://":
@@ -200,10 +212,59 @@ class TorchDistCommunicator(Communicator):
         key = tuple(sorted(ranks))
         if key in self._groups:
             return
+        if self._membership is not None:
+            # After a re-formation only the group's members make it (named by the job's first ranks).
+            # collective: every member of the group reaches this.
+            pg = form_group(self._job_store, self._membership, [self._origin[r] for r in key], float(self.cfg.timeout_s))
+            if pg is not None:
+                self._groups[key] = pg
+            return
         # collective: every rank creates every group, in the same order, member or not. Owner groups
         # get comm.timeout_s too (torch's default would be 30 minutes for a stalled peer).
         self._groups[key] = dist.new_group(list(key), backend=self.backend,
                                            timeout=datetime.timedelta(seconds=float(self.cfg.timeout_s)))
+
+    def regroup(self, last_step: int) -> Membership:
+        """Go on without the lost peers: agree with the survivors, re-form the world under a fresh prefix.
+
+        Only under a supervisor that hosts the job's store (``launch.on_failure=continue``): the old
+        groups are aborted (which also wakes a survivor blocked two hops from the dead rank), the
+        survivors agree on the members and the step they all finished (:func:`regroup.agree`), and
+        this communicator answers the new rank and world size from then on. Owner groups are made
+        again by :meth:`new_group` (only their members enter). Returns the agreement.
+        # collective: every survivor reaches this.
+        """
+        if self._job_store is None:
+            raise SubnetdpError(f"comm.name={self.cfg.name}: going on in-process needs the supervisor's store "
+                                "(launch.on_failure=continue with subnetdp train launch.nproc=N)")
+        origin = self._origin or tuple(range(self.world_size))
+        for pg in {id(g): g for g in self._groups.values()}.values():
+            release(pg)
+        generation = (self._membership.generation if self._membership else 0) + 1
+        timeout = float(self.cfg.timeout_s)
+        m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
+        world = form_world(self._job_store, m, timeout)
+        self._membership, self._origin = m, m.members
+        self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
+        self._groups = {self.world: world}
+        return m
+
+    def _finish(self, work: Any, what: str) -> None:
+        """Wait for ``work``; under the supervisor, give up as soon as the store says a peer is gone.
+
+        A ring collective blocks a member on its neighbour, not on the dead rank: without the
+        store's marks a survivor two hops away would wait out ``comm.timeout_s`` and miss the
+        survivors' agreement.
+        """
+        if self._job_store is None:
+            work.wait()
+            return
+        origin = self._origin or tuple(range(self.world_size))
+        generation = (self._membership.generation if self._membership else 0) + 1
+        if not wait_or_regroup(work, self._job_store, origin, generation):
+            dead = [r for r in origin if self._job_store.check([f"{DEAD_KEY}/{r}"])]
+            who = f"{ranks_named(dead)} died" if dead else "a peer is gone"
+            raise PeerLost(f"{who} (the supervisor's store said so during {what})", dead)
 
     def _guarded(self, what: str, group: Sequence[int] | None, call: Any) -> Any:
         """Run a collective; when a peer died or stopped answering, raise :class:`PeerLost` naming it.
@@ -259,24 +320,58 @@ class TorchDistCommunicator(Communicator):
         key = tuple(group)
         self.bytes.add(key, tensor.numel() * tensor.element_size())
         pg = self._pg(key)
-        work = self._guarded("all_reduce", key, lambda: dist.all_reduce(tensor, group=pg, async_op=async_op))
-        return WorkHandle(work, self, key) if async_op else WorkHandle(None)
+        if self._membership is not None:  # a re-formed group is torch's object alone: its own methods
+            work = self._guarded("all_reduce", key, lambda: pg.allreduce([tensor]))
+        elif self._job_store is not None:  # supervised: every wait watches the store (_finish)
+            work = self._guarded("all_reduce", key, lambda: dist.all_reduce(tensor, group=pg, async_op=True))
+        else:
+            work = self._guarded("all_reduce", key, lambda: dist.all_reduce(tensor, group=pg, async_op=async_op))
+            return WorkHandle(work, self, key) if async_op else WorkHandle(None)
+        handle = WorkHandle(work, self, key)
+        if async_op:
+            return handle
+        handle.wait()
+        return WorkHandle(None)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Sequence[int] | None = None) -> None:
         key = self.world if group is None else tuple(group)
         self.bytes.add(key, tensor.numel() * tensor.element_size())  # the payload every member hands over
         pg = self._pg(group)
+        if self._membership is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = key.index(src), 0
+            self._guarded("broadcast", group, lambda: pg.broadcast([tensor], opts).wait())
+            return
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        if self._membership is not None:
+            return self._gather_pickled(obj)
         out: list[Any] = [None] * self.world_size
         self._guarded("all_gather_object", None, lambda: dist.all_gather_object(out, obj))
         return out
 
+    def _gather_pickled(self, obj: Any) -> list[Any]:
+        """``all_gather_object`` over a re-formed world: the lengths first, then the padded bytes."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        sizes[self.rank] = data.numel()
+        self.all_reduce(sizes, self.world)  # collective: every rank of the world
+        buf = torch.zeros(self.world_size, int(sizes.max()), dtype=torch.uint8)
+        buf[self.rank, :data.numel()] = data
+        self.all_reduce(buf, self.world)  # collective: every rank of the world (one row each, the rest zeros)
+        return [pickle.loads(buf[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
+
     def barrier(self) -> None:
+        if self._membership is not None:
+            self.all_reduce(torch.zeros(1), self.world)  # collective: every rank of the world
+            return
         self._guarded("barrier", None, dist.barrier)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # aborted by a re-formation: nothing left to destroy
+                pass
         self._groups.clear()
