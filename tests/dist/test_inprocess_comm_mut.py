@@ -1,0 +1,104 @@
+"""The gloo communicator goes on in-process after a SIGKILLed peer: real processes, a real kill.
+
+The store lives in this test's process, as under the supervisor (``launchers/supervisor.py``); the
+workers join it as torchrun's workers join the agent's. Rank 2 dies right after a step's world
+all-reduce: every survivor meets the loss as ``PeerLost``, :meth:`regroup` renumbers it, and the
+same communicator object then averages over the new world and over owner groups made for the
+survivors' plan (``MaskPlan.without``), broadcasts a unit to its new owner bit for bit and gathers
+objects, all under the new ranks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import torch
+from omegaconf import OmegaConf
+
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.core.errors import PeerLost
+from subnetdp.core.plan import MaskPlan
+from subnetdp.launchers.supervisor import host_store, supervise
+from subnetdp.plugins.comm.gloo import GlooCommunicator
+
+WORLD, VICTIM, KILL_STEP = 4, 2, 3
+PLAN = MaskPlan(4, [[0, 1, 4], [2, 3, 5], [0, 2, 4], [1, 3, 5]], 6)  # C = 0.5: two owners per unit
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1",
+                       "SUBNETDP_SUPERVISED": "0"})
+    torch.set_num_threads(1)
+    cfg = OmegaConf.create({"name": "gloo", "init_method": "env://", "timeout_s": 20.0})
+    comm = GlooCommunicator(cfg, LaunchEnv(rank, WORLD, rank, WORLD, "test"))
+    comm.init()
+    for owners in PLAN.owner_sets()[:-1]:
+        comm.new_group(owners)  # collective: every rank, member or not
+    last, lost = 0, None
+    for step in range(1, KILL_STEP + 3):
+        try:
+            comm.all_reduce(torch.ones(4), comm.world)
+        except PeerLost as e:
+            lost = str(e)
+            break
+        last = step
+        if rank == VICTIM and step == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)  # after the step's world reduction: the commit point passed
+    m = comm.regroup(last)  # collective: every survivor
+    plan = PLAN.without(m.members, min_owners=2)
+    for owners in plan.owner_sets()[:-1]:
+        comm.new_group(owners)  # collective: every member of each group
+    world_sum = torch.full((2,), float(m.old_rank + 1))
+    comm.all_reduce(world_sum, comm.world)
+    sums = {}
+    for owners in plan.owner_sets()[:-1]:
+        if comm.rank in owners:
+            t = torch.full((1,), float(m.old_rank + 1))
+            comm.all_reduce(t, owners, async_op=True).wait()
+            sums[owners] = float(t)
+    # heal: unit 0's surviving owner (old rank 0) hands it to the unit's new owner over the network
+    torch.manual_seed(7)
+    unit = torch.randn(1000) if m.old_rank == 0 else torch.zeros(1000)
+    comm.broadcast(unit, m.new_rank(0))
+    gathered = comm.all_gather_object({"old": m.old_rank})
+    comm.barrier()
+    torch.save({"lost": lost, "last": last, "members": m.members, "commit": m.commit_step,
+                "consistent": m.consistent, "rank": comm.rank, "world": comm.world_size,
+                "world_sum": world_sum.tolist(), "sums": sums, "unit": unit, "gathered": gathered,
+                "owned": plan.owned}, out)
+    comm.shutdown()
+
+
+def test_communicator_regroups_after_a_sigkill(tmp_path):
+    store = host_store(30)  # this process is the supervisor: it outlives every worker
+    ctx = mp.get_context("spawn")
+    outs = [str(tmp_path / f"{r}.pt") for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, store.port, outs[r])) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    supervise(store, dict(enumerate(procs)), 150)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert procs[VICTIM].exitcode == -signal.SIGKILL
+    survivors = [0, 1, 3]
+    assert [procs[r].exitcode for r in survivors] == [0, 0, 0], "a survivor exited instead of going on"
+    res = {r: torch.load(outs[r], weights_only=False) for r in survivors}
+    expected = PLAN.without(survivors, min_owners=2)
+    torch.manual_seed(7)
+    unit = torch.randn(1000)
+    for new, old in enumerate(survivors):
+        r = res[old]
+        assert r["lost"] is not None and r["last"] == KILL_STEP  # each met the loss as PeerLost, at the same step
+        assert r["members"] == (0, 1, 3) and r["commit"] == KILL_STEP and r["consistent"]
+        assert (r["rank"], r["world"]) == (new, 3)  # the same object answers the new rank and world size
+        assert r["world_sum"] == [7.0, 7.0]  # 1 + 2 + 4: the three survivors, the dead rank's 3 absent
+        assert r["owned"] == expected.owned
+        for owners, total in r["sums"].items():  # each owner group of the new plan sums its own members
+            assert total == sum(survivors[o] + 1 for o in owners)
+        assert set(r["sums"]) == {o for o in expected.owner_sets()[:-1] if new in o}
+        assert torch.equal(r["unit"], unit)  # bit for bit on every survivor, the unit's new owner included
+        assert r["gathered"] == [{"old": o} for o in survivors]
