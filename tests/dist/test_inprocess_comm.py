@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import torch
 from omegaconf import OmegaConf
@@ -46,6 +47,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             break
         last = step
         if rank == VICTIM and step == KILL_STEP:
+            comm._job_store.set("killed_at", repr(time.time()))  # for the figures printed below
             os.kill(os.getpid(), signal.SIGKILL)  # after the step's world reduction: the commit point passed
     m = comm.regroup(last)  # collective: every survivor
     plan = PLAN.without(m.members, min_owners=2)
@@ -53,6 +55,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         comm.new_group(owners)  # collective: every member of each group
     world_sum = torch.full((2,), float(m.old_rank + 1))
     comm.all_reduce(world_sum, comm.world)
+    regrouped = time.time()  # the first collective finished on the re-formed world
     sums = {}
     for owners in plan.owner_sets()[:-1]:
         if comm.rank in owners:
@@ -68,7 +71,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.save({"lost": lost, "last": last, "members": m.members, "commit": m.commit_step,
                 "consistent": m.consistent, "rank": comm.rank, "world": comm.world_size,
                 "world_sum": world_sum.tolist(), "sums": sums, "unit": unit, "gathered": gathered,
-                "owned": plan.owned}, out)
+                "owned": plan.owned, "seconds": regrouped - float(comm._job_store.get("killed_at"))}, out)
     comm.shutdown()
 
 
@@ -102,3 +105,5 @@ def test_communicator_regroups_after_a_sigkill(tmp_path):
         assert set(r["sums"]) == {o for o in expected.owner_sets()[:-1] if new in o}
         assert torch.equal(r["unit"], unit)  # bit for bit on every survivor, the unit's new owner included
         assert r["gathered"] == [{"old": o} for o in survivors]
+    for old in survivors:  # figures for docs/inprocess.md (printed with -s, never asserted)
+        print(f"rank {old}: kill -> first all-reduce on the re-formed world {res[old]['seconds']:.3f} s")
