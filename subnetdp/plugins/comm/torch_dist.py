@@ -22,7 +22,7 @@ from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
 from subnetdp.plugins.comm.regroup import DEAD_KEY, Membership, agree, form_group, form_world, release, wait_or_regroup
 
-#: Set by the supervisor (``launch.on_failure=continue``) in every worker it starts: the launcher's
+#: Set by the supervisor (``launchers/supervisor.py``) in every worker it starts: the launcher's
 #: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
 SUPERVISED_ENV = "SUBNETDP_SUPERVISED"
 
@@ -227,7 +227,7 @@ class TorchDistCommunicator(Communicator):
     def regroup(self, last_step: int) -> Membership:
         """Go on without the lost peers: agree with the survivors, re-form the world under a fresh prefix.
 
-        Only under a supervisor that hosts the job's store (``launch.on_failure=continue``): the old
+        Only under a supervisor that hosts the job's store (``launchers/supervisor.py``): the old
         groups are aborted (which also wakes a survivor blocked two hops from the dead rank), the
         survivors agree on the members and the step they all finished (:func:`regroup.agree`), and
         this communicator answers the new rank and world size from then on. Owner groups are made
@@ -236,7 +236,7 @@ class TorchDistCommunicator(Communicator):
         """
         if self._job_store is None:
             raise SubnetdpError(f"comm.name={self.cfg.name}: going on in-process needs the supervisor's store "
-                                "(launch.on_failure=continue with subnetdp train launch.nproc=N)")
+                                "(launchers/supervisor.py; no launch command starts workers under it yet: docs/inprocess.md)")
         origin = self._origin or tuple(range(self.world_size))
         for pg in {id(g): g for g in self._groups.values()}.values():
             release(pg)
