@@ -137,6 +137,7 @@ FROZEN_API: dict[str, list[str]] = {
         "unit_graph_components(self) -> 'int'",
         "validate(self, min_owners: 'int' = 1, names: 'Sequence[str] | None' = None, hint: 'Callable[[], str] | None' = None) -> 'None'",
         "warn_coverage(self, partition: 'Partition', requested: 'float', group_by: 'str' = 'auto', tol: 'float' = 0.05) -> 'list[str]'",
+        'without(self, members: \'Sequence[int]\', min_owners: \'int\' = 1) -> "\'MaskPlan\'"',
     ],
     'Masker': [
         'plan(self, partition: \'Partition\', world_size: \'int\', seed: \'int\') -> "\'MaskPlan\'"',
