@@ -68,11 +68,11 @@ def _log(cfg, rank: int) -> str:
 
 def _three_owners(rank: int, world: int, init_method: str, verify_every: int) -> dict:
     # Neuron level, C = 0.75 on 4 ranks: 3 owners a unit, each holding it at its own place of a narrower
-    # tensor. Rank 1 corrupts unit 2 (owners 0, 1, 3) and rank 2 the shared tensors after step 3;
-    # 4 steps, verifications at steps 2 and 4. Bit 16 of a float32: a low mantissa bit may be rounded away by the
-    # step before the verification (the owners would then agree again).
-    os.environ[FLIP_BIT] = "3:1:2:16,3:2:shared:16"
-    cfg = _config(init_method, "train.steps=4", "masker.granularity=neuron", "masker.coverage=0.75", "optim.name=adamw",
+    # tensor. Rank 1 corrupts unit 2 (owners 0, 1, 3) and rank 2 the shared tensors after step 2;
+    # 2 steps, verifications at steps 1 (the owners agree: nothing said) and 2 (the flips are caught).
+    # Bit 16 of a float32: a low mantissa bit could be rounded away by an update before a verification.
+    os.environ[FLIP_BIT] = "2:1:2:16,2:2:shared:16"
+    cfg = _config(init_method, "train.steps=2", "masker.granularity=neuron", "masker.coverage=0.75", "optim.name=adamw",
                   "optim.lr=1e-3", f"recovery.verify_every={verify_every}")
     out, said, error = _run(rank, world, cfg)
     return {**out, "said": said, "error": str(error) if error else None, "log": _log(cfg, rank)}
@@ -99,8 +99,8 @@ def _two_owners(rank: int, world: int, init_method: str) -> dict:
 
 
 def test_a_flipped_bit_is_repaired_by_three_owners_and_the_run_goes_on(tmp_path):
-    results = run_ranks(_three_owners, 4, tmp_path, 2, timeout=400)
-    assert [r["error"] for r in results] == [None] * 4 and all(r["step"] == 4 for r in results)
+    results = run_ranks(_three_owners, 4, tmp_path, 1, timeout=400)
+    assert [r["error"] for r in results] == [None] * 4 and all(r["step"] == 2 for r in results)
     assert results[0]["owners"][2] == (0, 1, 3) and all(len(o) == 3 for o in results[0]["owners"])
     # Owners are bit-identical at the end, piece by piece: the odd copies were given the majority's bytes.
     pieces = {key for r in results for key in r["digests"]}
@@ -108,15 +108,15 @@ def test_a_flipped_bit_is_repaired_by_three_owners_and_the_run_goes_on(tmp_path)
         held = {r["digests"][key] for r in results if key in r["digests"]}
         assert len(held) == 1, key
     said = results[0]["said"]
-    assert "owners disagreed after step 4, repaired by their majority" in said
+    assert "owners disagreed after step 2, repaired by their majority" in said
     assert "unit 2: ranks [1] received it from rank 0" in said
     assert "the shared tensors: ranks [2] received it from rank 0" in said
     assert "the run goes on" in said
     for r in results:  # the detail, on every rank's log: the unit, its owners and the step, nothing else
         lines = r["log"].splitlines()
         assert len(lines) == 2, lines
-        assert "owners of unit 2 (ranks [0, 1, 3]) disagree after step 4: ranks [0, 3] hold" in r["log"]
-        assert "owners of the shared tensors (ranks [0, 1, 2, 3]) disagree after step 4: ranks [0, 1, 3] hold" in r["log"]
+        assert "owners of unit 2 (ranks [0, 1, 3]) disagree after step 2: ranks [0, 3] hold" in r["log"]
+        assert "owners of the shared tensors (ranks [0, 1, 2, 3]) disagree after step 2: ranks [0, 1, 3] hold" in r["log"]
 
 
 def test_a_flipped_bit_stops_two_owners_and_resume_starts_from_a_verified_checkpoint(tmp_path):

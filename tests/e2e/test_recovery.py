@@ -35,7 +35,8 @@ from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import survivors
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-COMMON = ["train", "resnet18_digits", "train.steps=6", "train.batch_size=4", "train.log_every=2",
+END = 5  # one step after the kills' step 4: what "the run goes on to the reference's end" needs
+COMMON = ["train", "resnet18_digits", f"train.steps={END}", "train.batch_size=4", "train.log_every=2",
           "eval.bn_recalibrate_batches=0", "eval.every=0", "optim.warmup_steps=0", "masker.coverage=0.5",
           "launch.threads_per_rank=1", "train.progress=false", "checkpoint.keep=0", "resume=auto"]
 
@@ -132,10 +133,10 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
     # Every piece (value and optimizer state) as the surviving owners held it at that step.
     _assert_pieces_equal(step, ck.step_dir(reference, recovered))
     # ...and the run goes on to the reference's end: parameters and optimizer state bit for bit.
-    _assert_pieces_equal(ck.step_dir(run, 6), ck.step_dir(reference, 6))
+    _assert_pieces_equal(ck.step_dir(run, END), ck.step_dir(reference, END))
     for r in (0, 2, 3):  # the survivors' buffers too (the dead rank's are its co-owners' mean)
         name = ck.rank_files(r)[0]
-        a, b = load_file(str(ck.step_dir(run, 6) / name)), load_file(str(ck.step_dir(reference, 6) / name))
+        a, b = load_file(str(ck.step_dir(run, END) / name)), load_file(str(ck.step_dir(reference, END) / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(survivors.survivors_dir(run).iterdir())  # superseded fragments are gone
     assert not list(ck.checkpoints_dir(run).glob("*.tmp"))  # so is a torn save's leftover
@@ -153,7 +154,7 @@ def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, 
     assert "rank 1 stopped answering" in proc.stderr, proc.stderr[-3000:]
     assert "recovered step 3 from the surviving owners (ranks [0, 2, 3]; lost: [1])" in proc.stdout
     _assert_pieces_equal(ck.step_dir(run, 3), ck.step_dir(reference, 3))
-    _assert_pieces_equal(ck.step_dir(run, 6), ck.step_dir(reference, 6))
+    _assert_pieces_equal(ck.step_dir(run, END), ck.step_dir(reference, END))
 
 
 def test_two_co_owners_killed_at_once_fall_back_and_name_the_lost_units(tmp_path):
@@ -230,6 +231,6 @@ def test_the_local_launcher_restarts_the_workers_after_a_killed_one(tmp_path):
     assert "restarted up to 1 time(s) after a failure" in proc.stdout
     assert "the launcher restarts the workers (restart 1 of 1)" in proc.stderr, proc.stderr
     assert re.search(r"resumed from \S+ \(step [23]\)", proc.stdout), proc.stdout
-    assert (run / "summary.json").is_file() and '"steps": 6' in (run / "summary.json").read_text()
+    assert (run / "summary.json").is_file() and f'"steps": {END}' in (run / "summary.json").read_text()
     assert "Traceback" not in console, console[-5000:]
     _assert_no_process_left(run)
