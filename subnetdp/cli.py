@@ -8,7 +8,6 @@ import os
 import re
 import sys
 import textwrap
-import time
 import warnings
 from typing import Sequence
 
@@ -29,158 +28,23 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from subnetdp.train.configure import load_config
-    from subnetdp.core.plugins import PluginManager
-    from subnetdp.launchers import detect
-    from subnetdp.train import upfront
+    from subnetdp.train.command import train_command
 
     recipe, overrides = _split_args(ns.args)
-    pm = PluginManager()
-    cfg = load_config(recipe, overrides, pm.registries)
-    if ns.print_config:
-        from subnetdp.core.config import to_yaml
-
-        print(to_yaml(cfg), end="")
-        return 0
-    env = detect()
-    nproc = int(cfg.launch.nproc)
-    if _already_finished(cfg, env):
-        return 0
-    if env.launcher == "none" and nproc > 1:
-        return _start_local_workers(cfg, recipe, overrides, nproc, pm)
-    from subnetdp.train import runlock
-
-    if env.launcher != "none":
-        from subnetdp.launchers.lifetime import worker_dies_with_launcher
-
-        worker_dies_with_launcher()  # a killed launcher takes its workers with it
-        if cfg.run.name and not runlock.launcher_holds(upfront.run_dir_of(cfg)):
-            # Every rank sees the same files before any of them writes: all refuse alike (no process
-            # group exists yet); only rank 0 deletes for run.overwrite.
-            upfront.check_new_run(cfg, remove=env.rank == 0)
-    else:
-        upfront.check_run_dir(cfg)
-        _name_run(cfg, 1)
-        runlock.check_free(upfront.run_dir_of(cfg))  # a busy run directory is this line, not the one below
-        upfront.check_new_run(cfg)
-    from subnetdp.train.failures import FailureLog
-    from subnetdp.train.loop import train
-
-    failures = FailureLog()
-    try:
-        train(cfg, env, pm, failures)
-    except Exception as e:
-        if failures.failure is None:  # before the run directory was this job's: as it is
-            raise
-        # One line; the traceback is in the run directory's log, which the line names.
-        if isinstance(e, PeerLost):
-            raise PeerLost(failures.failure.line, e.lost) from e
-        raise SubnetdpError(failures.failure.line) from e
-    return 0
-
-
-def _name_run(cfg, world_size: int) -> str:
-    """``run.name``, made now from the config and the time when it is empty (once, in the launching process)."""
-    from omegaconf import OmegaConf
-
-    from subnetdp.core.config import default_run_name
-
-    if not cfg.run.name:
-        OmegaConf.update(cfg, "run.name", f"{default_run_name(cfg, world_size)}{time.strftime('-%Y%m%d-%H%M%S')}")
-    return str(cfg.run.name)
-
-
-def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: int, pm) -> int:
-    """``subnetdp train launch.nproc=N``: every check, then the run directory's lock, then the workers."""
-    from subnetdp.launchers.invocation import record_invocation
-    from subnetdp.launchers.local import launch_local
-    from subnetdp.train import runlock, upfront
-    from subnetdp.train.setup import preflight
-
-    upfront.check_launcher(cfg, pm.registries, "local", nproc)
-    # Fail on a bad plan or machine here, before any worker or process group exists.
-    preflight(cfg, nproc, pm)
-    given = bool(cfg.run.name)
-    name = _name_run(cfg, nproc)
-    argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
-    # Refused here, a job touches nothing (the lock file included): first a live job, then an old run.
-    runlock.check_free(upfront.run_dir_of(cfg))
-    upfront.check_new_run(cfg, remove=False)
-    # The lock is taken here, before any worker exists, and handed to the workers' rank 0: a second job
-    # on this run directory stops at this line however soon after this one it was started.
-    with runlock.hold_for_workers(upfront.run_dir_of(cfg)):
-        upfront.check_new_run(cfg)  # again, now that no other job can start a run there
-        record_invocation()  # the workers' resume commands name the program as it was started here
-        restarts = int(cfg.launch.max_restarts)
-        again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
-        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)
-        return launch_local(nproc, argv, max_restarts=restarts, stop_timeout_s=float(cfg.launch.stop_timeout_s))
-
-
-def _already_finished(cfg, env) -> bool:
-    """``resume=auto`` on a run that did all its steps: say so (rank 0) and touch nothing."""
-    from subnetdp.train.upfront import finished_run
-
-    message = finished_run(cfg)
-    if message and env.rank == 0:
-        print(f"subnetdp: {message}", flush=True)
-    return message is not None
+    return train_command(recipe, overrides, print_config=ns.print_config)
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
-    from subnetdp.train.configure import load_config
     from subnetdp.core.errors import ConfigError
-    from subnetdp.train.setup import preflight
-    from subnetdp.core.plugins import PluginManager
-    from subnetdp.launchers.command import run_launch
-    from subnetdp.launchers.invocation import record_invocation
-    from subnetdp.launchers.nodes import node_overrides, nodes_of
-    from subnetdp.train import runlock, upfront
+    from subnetdp.launchers.nodes import node_overrides
+    from subnetdp.train.command import launch_command
 
     if ns.nproc < 1:
         raise ConfigError("--nproc", ns.nproc, "must be at least 1", "give the number of workers, e.g. --nproc 2")
     recipe, overrides = _split_args(ns.args)
     overrides = overrides + node_overrides(ns)  # --nnodes and the like are launch.* keys
-    pm = PluginManager()
-    # launch.nproc of this launch: the local workers (the recipe's value would steer the thread checks)
-    cfg = load_config(recipe, overrides + [f"launch.nproc={ns.nproc}"], pm.registries)
-    upfront.check_launcher(cfg, pm.registries, ns.launcher, ns.nproc)
-    nodes = nodes_of(cfg, ns.launcher, ns.node_rank)
-    # a bad config or plan fails here, before any worker starts (srun's workers run on other machines),
-    # at every world size the job can take: an elastic job may shrink to its fewest nodes
-    for world in nodes.worlds(ns.nproc):
-        try:
-            preflight(cfg, world, pm, machine=ns.launcher != "srun")
-        except SubnetdpError as e:
-            if not nodes.elastic:
-                raise
-            raise SubnetdpError(f"--nnodes {nodes.spec} x --nproc {ns.nproc}: at {world} rank(s): {e}") from None
-    args = ([recipe] if recipe else []) + overrides
-
-    def start() -> int:
-        record_invocation()  # the workers' resume commands name the program as it was started here
-        return run_launch(ns.launcher, ns.nproc, args, ns.mpirun, ns.launcher_args.split(), ns.dry_run, nodes)
-
-    if not cfg.run.name or ns.dry_run:  # a made name is new; a dry run only prints
-        return start()
-    run_dir = upfront.run_dir_of(cfg)
-    if nodes.several:
-        # The lock is the job's: its rank 0 takes it wherever it runs. Only the first node checks
-        # (another node starts while the job may already hold the directory).
-        if not ns.node_rank:
-            runlock.check_free(run_dir)
-            upfront.check_new_run(cfg)
-        return start()
-    runlock.check_free(run_dir)
-    if ns.launcher != "torchrun":
-        # mpirun's and srun's rank 0 may run on another node: the job's rank 0 takes the lock there.
-        upfront.check_new_run(cfg)
-        return start()
-    # torchrun on this node (--standalone): its workers descend from this process, which holds the lock.
-    upfront.check_new_run(cfg, remove=False)
-    with runlock.hold_for_workers(run_dir):
-        upfront.check_new_run(cfg)
-        return start()
+    return launch_command(recipe, overrides, ns.launcher, ns.nproc, mpirun=ns.mpirun,
+                          launcher_args=ns.launcher_args.split(), dry_run=ns.dry_run, node_rank=ns.node_rank)
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

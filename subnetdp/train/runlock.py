@@ -16,6 +16,8 @@ Who holds it:
   the process group exists. Rank 0 of a launcher's workers takes nothing: :class:`RunLock` accepts the
   lock of the launcher it descends from (checked against the lock file and the process tree) as the
   job's. On several nodes only rank 0 does either, so the lock is the job's, not a node's.
+
+:func:`claim` is the one sequence a launching process runs before a job starts there.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import os
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
-from subnetdp.core.errors import SubnetdpError
+from subnetdp.core.errors import ConfigError, SubnetdpError
 
 LOCK_FILE = ".lock"
 #: ``PID:PATH``: the launching process PID holds the lock file PATH for the workers it starts.
@@ -217,3 +219,52 @@ def hold_for_workers(run_dir: Path) -> Iterator[RunLock]:
         else:
             os.environ[HOLDER_ENV] = saved
         lock.release()
+
+
+def check_writable(run_dir: Path, given: str) -> None:
+    """Raise one line naming ``run.dir`` unless this process can create ``run_dir`` and its lock file.
+
+    Checked in the launching process: otherwise every worker of the job fails on its own with an
+    ``OSError`` on the lock file. ``given`` is ``run.dir`` as configured (the key's value in the line).
+    """
+    run_dir = Path(run_dir)
+    fix = "choose a run.dir (or run.name) this user can write into, or give the folder write permission (chmod u+w)"
+    where = run_dir
+    while not where.exists() and not where.is_symlink() and where != where.parent:
+        where = where.parent  # the folder the missing ones would be made in
+    if not where.is_dir():
+        raise ConfigError("run.dir", given, f"{where} is not a folder, so {run_dir} cannot be made", fix)
+    lock = run_dir / LOCK_FILE
+    if not os.access(where, os.W_OK | os.X_OK) or (lock.exists() and not os.access(lock, os.W_OK)):
+        raise ConfigError("run.dir", given, f"{lock if lock.exists() else where} is not writable by this user", fix)
+
+
+def claim(run_dir: Path, check_new_run: Callable[..., None], given: str, hold: bool = False) -> AbstractContextManager:
+    """The checks before a job starts on ``run_dir``, in the launching process, before any worker exists.
+
+    In order: the directory can be written (:func:`check_writable`), no live job holds it
+    (:func:`check_free`), no old run is there (``check_new_run``, which deletes it under
+    ``run.overwrite``). With ``hold``, the returned context holds the lock for the workers this
+    process starts (:func:`hold_for_workers`), and the old run is deleted only once it is held;
+    without, the checks are made now and the context holds nothing (the job's rank 0 takes the lock).
+
+    Args:
+        run_dir: the run directory (``run.dir/run.name``).
+        check_new_run: ``upfront.check_new_run`` bound to the config; takes ``remove``.
+        given: ``run.dir`` as configured, for the error line.
+        hold: whether this process starts the workers on this node and holds the lock for them.
+    """
+    check_writable(run_dir, given)
+    check_free(run_dir)  # a busy run directory is this line, not the old-run line below
+    if not hold:
+        check_new_run()
+        return nullcontext()
+    check_new_run(remove=False)  # refused here, a job touches nothing, the lock file included
+    return _held(Path(run_dir), check_new_run)
+
+
+@contextmanager
+def _held(run_dir: Path, check_new_run: Callable[..., None]) -> Iterator[RunLock]:
+    with hold_for_workers(run_dir) as lock:
+        check_new_run()  # again, now that no other job can start a run there
+        yield lock

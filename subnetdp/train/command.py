@@ -1,0 +1,153 @@
+"""``subnetdp train`` and ``subnetdp launch``: what each does once the command line is parsed.
+
+Both make every check a job can fail before any worker or process group exists, then claim the run
+directory (:func:`subnetdp.train.runlock.claim`: writable, no live job, no old run; held for the
+workers where this process starts them), then train or start the workers. ``cli.py`` only parses.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Sequence
+
+from subnetdp.core.errors import PeerLost, SubnetdpError
+from subnetdp.core.plugins import PluginManager
+from subnetdp.train import runlock, upfront
+from subnetdp.train.configure import load_config
+
+
+def train_command(recipe: str | None, overrides: list[str], print_config: bool = False) -> int:
+    """One training run in this process, or ``launch.nproc`` local workers when no launcher started it."""
+    from subnetdp.launchers import detect
+
+    pm = PluginManager()
+    cfg = load_config(recipe, overrides, pm.registries)
+    if print_config:
+        from subnetdp.core.config import to_yaml
+
+        print(to_yaml(cfg), end="")
+        return 0
+    env = detect()
+    nproc = int(cfg.launch.nproc)
+    if _already_finished(cfg, env):
+        return 0
+    if env.launcher == "none" and nproc > 1:
+        return _start_local_workers(cfg, recipe, overrides, nproc, pm)
+    if env.launcher != "none":
+        from subnetdp.launchers.lifetime import worker_dies_with_launcher
+
+        worker_dies_with_launcher()  # a killed launcher takes its workers with it
+        if cfg.run.name and not runlock.launcher_holds(upfront.run_dir_of(cfg)):
+            # Every rank sees the same files before any of them writes: all refuse alike (no process
+            # group exists yet); only rank 0 deletes for run.overwrite.
+            upfront.check_new_run(cfg, remove=env.rank == 0)
+    else:
+        upfront.check_run_dir(cfg)
+        _name_run(cfg, 1)
+        _claim(cfg)  # rank 0 takes the lock itself once its process group exists
+    from subnetdp.train.failures import FailureLog
+    from subnetdp.train.loop import train
+
+    failures = FailureLog()
+    try:
+        train(cfg, env, pm, failures)
+    except Exception as e:
+        if failures.failure is None:  # before the run directory was this job's: as it is
+            raise
+        # One line; the traceback is in the run directory's log, which the line names.
+        if isinstance(e, PeerLost):
+            raise PeerLost(failures.failure.line, e.lost) from e
+        raise SubnetdpError(failures.failure.line) from e
+    return 0
+
+
+def _claim(cfg, hold: bool = False):
+    """:func:`runlock.claim` on this config's run directory."""
+    return runlock.claim(upfront.run_dir_of(cfg), partial(upfront.check_new_run, cfg), str(cfg.run.dir), hold)
+
+
+def _name_run(cfg, world_size: int) -> str:
+    """``run.name``, made now from the config and the time when it is empty (once, in the launching process)."""
+    from omegaconf import OmegaConf
+
+    from subnetdp.core.config import default_run_name
+
+    if not cfg.run.name:
+        OmegaConf.update(cfg, "run.name", f"{default_run_name(cfg, world_size)}{time.strftime('-%Y%m%d-%H%M%S')}")
+    return str(cfg.run.name)
+
+
+def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: int, pm) -> int:
+    """``subnetdp train launch.nproc=N``: every check, then the run directory's lock, then the workers."""
+    from subnetdp.launchers.invocation import record_invocation
+    from subnetdp.launchers.local import launch_local
+    from subnetdp.train.setup import preflight
+
+    upfront.check_launcher(cfg, pm.registries, "local", nproc)
+    # Fail on a bad plan or machine here, before any worker or process group exists.
+    preflight(cfg, nproc, pm)
+    given = bool(cfg.run.name)
+    name = _name_run(cfg, nproc)
+    argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
+    # The lock is taken here, before any worker exists, and handed to the workers' rank 0: a second job
+    # on this run directory stops at this line however soon after this one it was started.
+    with _claim(cfg, hold=True):
+        record_invocation()  # the workers' resume commands name the program as it was started here
+        restarts = int(cfg.launch.max_restarts)
+        again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
+        print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)
+        return launch_local(nproc, argv, max_restarts=restarts, stop_timeout_s=float(cfg.launch.stop_timeout_s))
+
+
+def _already_finished(cfg, env) -> bool:
+    """``resume=auto`` on a run that did all its steps: say so (rank 0) and touch nothing."""
+    message = upfront.finished_run(cfg)
+    if message and env.rank == 0:
+        print(f"subnetdp: {message}", flush=True)
+    return message is not None
+
+
+def launch_command(recipe: str | None, overrides: list[str], launcher: str, nproc: int, *, mpirun: str | None = None,
+                   launcher_args: Sequence[str] = (), dry_run: bool = False, node_rank: int | None = None) -> int:
+    """``subnetdp launch``: check the job at every world size it can take, claim the run directory, start it.
+
+    ``overrides`` include the ``launch.*`` keys of the command line's node options (``--nnodes`` ...).
+    """
+    from subnetdp.launchers.command import run_launch
+    from subnetdp.launchers.invocation import record_invocation
+    from subnetdp.launchers.nodes import nodes_of
+    from subnetdp.train.setup import preflight
+
+    pm = PluginManager()
+    # launch.nproc of this launch: the local workers (the recipe's value would steer the thread checks)
+    cfg = load_config(recipe, overrides + [f"launch.nproc={nproc}"], pm.registries)
+    upfront.check_launcher(cfg, pm.registries, launcher, nproc)
+    nodes = nodes_of(cfg, launcher, node_rank)
+    # a bad config or plan fails here, before any worker starts (srun's workers run on other machines),
+    # at every world size the job can take: an elastic job may shrink to its fewest nodes
+    for world in nodes.worlds(nproc):
+        try:
+            preflight(cfg, world, pm, machine=launcher != "srun")
+        except SubnetdpError as e:
+            if not nodes.elastic:
+                raise
+            raise SubnetdpError(f"--nnodes {nodes.spec} x --nproc {nproc}: at {world} rank(s): {e}") from None
+    args = ([recipe] if recipe else []) + overrides
+
+    def start() -> int:
+        record_invocation()  # the workers' resume commands name the program as it was started here
+        return run_launch(launcher, nproc, args, mpirun, list(launcher_args), dry_run, nodes)
+
+    if not cfg.run.name or dry_run:  # a made name is new; a dry run only prints
+        return start()
+    if nodes.several:
+        # The lock is the job's: its rank 0 takes it wherever it runs. Only the first node checks
+        # (another node starts while the job may already hold the directory).
+        if not node_rank:
+            _claim(cfg)
+        return start()
+    # torchrun on this node (--standalone): its workers descend from this process, which holds the lock;
+    # mpirun's and srun's rank 0 may run on another node: the job's rank 0 takes the lock there.
+    with _claim(cfg, hold=launcher == "torchrun"):
+        return start()
