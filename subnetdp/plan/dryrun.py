@@ -29,7 +29,7 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync import Checked, SyncSettings
 from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.construct import build_model
-from subnetdp.sdp.variants import is_backward, local_model
+from subnetdp.sdp.variants import local_model, regime_of
 
 
 class DryRunCommunicator(NullCommunicator):
@@ -151,7 +151,7 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         settings = dataclasses.replace(SyncSettings.from_config(cfg), mode="every_step")
         averager = make_synchronizer(settings, model, pmap, plan, partition, comm)
         refresher = None
-        if is_backward(cfg.masker):
+        if regime_of(cfg.masker).refreshes:
             from subnetdp.sdp.backward import Refresher
 
             refresher = Refresher(model, pmap, plan, partition, comm, int(cfg.masker.refresh_every),

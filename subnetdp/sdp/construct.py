@@ -29,7 +29,7 @@ from torch import nn
 from subnetdp.core.contracts import DataSpec, ModelAdapter, ParamMap, Partition, Piece
 from subnetdp.core.errors import SubnetdpError
 from subnetdp.sdp.branches import regularize
-from subnetdp.sdp.variants import is_backward, local_model
+from subnetdp.sdp.variants import local_model, regime_of
 
 
 def build_model(adapter: ModelAdapter, spec: DataSpec) -> nn.Module:
@@ -192,7 +192,7 @@ def build_local(adapter: ModelAdapter, skeleton: nn.Module, owned: Sequence[int]
     """What a rank holds, initialised on ``device``: its subnetwork (forward masking) or the full model
     with non-owned units masked (backward masking, which holds the whole model by definition)."""
     init = init or Initialiser(skeleton, adapter, seed)
-    if is_backward(mcfg):
+    if regime_of(mcfg).full_model:
         full = copy.deepcopy(skeleton)
         initialise(full, identity_map(full), init, device)
         return local_model(adapter, full, owned, partition, mcfg)

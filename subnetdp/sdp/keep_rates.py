@@ -29,7 +29,7 @@ from subnetdp.core.contracts import Partition
 from subnetdp.core.errors import SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.branches import fold_branch_scales
-from subnetdp.sdp.variants import is_backward
+from subnetdp.sdp.variants import regime_of
 
 #: Optimizer state per parameter -> the power of the weight's scale it carries.
 STATE_POWERS = {"momentum_buffer": 1, "exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
@@ -41,7 +41,7 @@ def forward_keep_rates(masker: Any, partition: Partition, plan: MaskPlan) -> dic
     whole forward); empty at neuron level (no branch is ever dropped)."""
     if partition.granularity != "block":
         return {}
-    if is_backward(masker):
+    if not regime_of(masker).drops_branches:
         return {u.name: 1.0 for u in partition.units}
     return {u.name: len(plan.owners(u.id)) / plan.world_size for u in partition.units}
 

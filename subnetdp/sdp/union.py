@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from subnetdp.core.contracts import (Communicator, DataModule, DataSpec, ModelAdapter, ParamMap, Partition,
                                      TensorSlice)
 from subnetdp.sdp.pieces import Item, LocalIndex, global_items
-from subnetdp.sdp.variants import is_backward
+from subnetdp.sdp.variants import regime_of
 from subnetdp.sdp.branches import regularizers_off
 from subnetdp.core.plan import MaskPlan
 
@@ -94,7 +94,7 @@ def union_branch_scales(cfg: Any, partition: Partition, plan: MaskPlan) -> dict[
     """The scales ``eval.block_union`` applies to the union model: the keep rates for ``rescaled``
     with block-level forward masking, else none (x1, neuron level, backward masking: those train
     every branch in every forward, or rescale neurons in training already)."""
-    if str(cfg.eval.block_union) != "rescaled" or is_backward(cfg.masker):
+    if str(cfg.eval.block_union) != "rescaled" or not regime_of(cfg.masker).drops_branches:
         return {}
     return branch_keep_rates(partition, plan)
 

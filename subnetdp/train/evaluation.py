@@ -19,7 +19,7 @@ from subnetdp.core.contracts import DataModule, RunContext
 from subnetdp.core.errors import ConfigError
 from subnetdp.sdp.branches import fold_branch_scales
 from subnetdp.sdp.union import assemble_union, branch_keep_rates, evaluate, evaluate_union, scalable_branches
-from subnetdp.sdp.variants import is_backward
+from subnetdp.sdp.variants import regime_of
 
 if TYPE_CHECKING:
     from subnetdp.train.meter import Meter
@@ -53,7 +53,7 @@ def evaluate_run(ctx: RunContext, state: "TrainState", step: int) -> Evaluation:
     on a union assembled on rank 0.
     """
     cfg, partition, plan = ctx.cfg, state.partition, state.plan
-    block_forward = partition.granularity == "block" and not is_backward(cfg.masker)
+    block_forward = partition.granularity == "block" and regime_of(cfg.masker).drops_branches
     breakdown = bool(cfg.eval.breakdown) and block_forward and step == int(cfg.train.steps) and not state.parallel.sharded
     rates = branch_keep_rates(partition, plan) if block_forward else {}
     mode = str(cfg.eval.block_union)

@@ -36,7 +36,7 @@ from subnetdp.sdp.resample import Resampler, receive_from_owners
 from subnetdp.sdp.union import scalable_branches
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
 from subnetdp.sdp.sync import make_synchronizer
-from subnetdp.sdp.variants import is_backward
+from subnetdp.sdp.variants import regime_of
 from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
@@ -143,7 +143,7 @@ class TrainState(TrainStateView):
         self._sync = make_synchronizer(self._settings, model, pmap, plan, self._partition, ctx.comm,
                                        sharded=self._parallel.sharding(), last_good=self._last_good)
         self._refresher = None
-        if is_backward(cfg.masker):
+        if regime_of(cfg.masker).refreshes:
             from subnetdp.sdp.backward import Refresher
 
             # With local steps owners disagree between synchronisations: refresh only right after one.

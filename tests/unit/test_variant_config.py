@@ -76,3 +76,19 @@ def test_plan_command_with_clipping_and_fsdp(capsys, tmp_path):
     for s, p in zip(sharded["ranks"], plain["ranks"]):  # every rank holds 2 of the 4 blocks in both plans
         assert abs(s["params_held"] / p["params_held"] - 0.5) < 0.01, (s["params_held"], p["params_held"])
         assert 0 < s["peak_memory_bytes"] < p["peak_memory_bytes"] and s["fsdp_bytes_per_step"]["reduce_scatter"] > 0
+
+
+def test_the_regime_is_one_object_that_answers_what_each_site_asks():
+    from omegaconf import OmegaConf
+
+    from subnetdp.sdp.variants import regime_of
+
+    forward, backward = (regime_of(OmegaConf.create({"regime": r})) for r in ("forward", "backward"))
+    assert regime_of(OmegaConf.create({"regime": "forward"})) is forward  # looked up, never rebuilt per site
+    assert (forward.full_model, forward.drops_branches, forward.refreshes) == (False, True, False)
+    assert (backward.full_model, backward.drops_branches, backward.refreshes) == (True, False, True)
+    with pytest.raises(ConfigError) as e:
+        regime_of(OmegaConf.create({"regime": "backwards"}))
+    line = str(e.value)
+    assert line.splitlines() == [line] and line.startswith("masker.regime='backwards': unknown masking regime")
+    assert "forward, backward" in line and "did you mean 'backward'" in line
