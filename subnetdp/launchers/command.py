@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Sequence
 
 from subnetdp.core.errors import ConfigError, SubnetdpError
+from subnetdp.launchers.kinds import LAUNCHERS as KINDS, launcher_named
 from subnetdp.launchers.lifetime import run_child_launcher
 from subnetdp.launchers.nodes import Nodes
 
-LAUNCHERS = ("torchrun", "mpirun", "srun")
+LAUNCHERS = tuple(KINDS)
 
 
 def venv_mpirun() -> Path:
@@ -43,8 +44,7 @@ def launch_command(launcher: str, nproc: int, train_args: Sequence[str], mpirun:
         nodes: the nodes of the job (default: this one alone).
         node_rank: the node whose command this is (default: ``nodes.node_rank``).
     """
-    if launcher not in LAUNCHERS:
-        raise ConfigError("--launcher", launcher, f"valid choices: {', '.join(LAUNCHERS)}")
+    launcher_named(launcher)
     if nproc < 1:
         raise ConfigError("--nproc", nproc, "must be >= 1")
     if launcher == "torchrun":

@@ -116,9 +116,11 @@ def launch_command(recipe: str | None, overrides: list[str], launcher: str, npro
     """
     from subnetdp.launchers.command import run_launch
     from subnetdp.launchers.invocation import record_invocation
+    from subnetdp.launchers.kinds import launcher_named
     from subnetdp.launchers.nodes import nodes_of
     from subnetdp.train.setup import preflight
 
+    kind = launcher_named(launcher)  # chosen once: what it decides is asked of it below
     pm = PluginManager()
     # launch.nproc of this launch: the local workers (the recipe's value would steer the thread checks)
     cfg = load_config(recipe, overrides + [f"launch.nproc={nproc}"], pm.registries)
@@ -128,7 +130,7 @@ def launch_command(recipe: str | None, overrides: list[str], launcher: str, npro
     # at every world size the job can take: an elastic job may shrink to its fewest nodes
     for world in nodes.worlds(nproc):
         try:
-            preflight(cfg, world, pm, machine=launcher != "srun")
+            preflight(cfg, world, pm, machine=kind.workers_here)
         except SubnetdpError as e:
             if not nodes.elastic:
                 raise
@@ -149,5 +151,5 @@ def launch_command(recipe: str | None, overrides: list[str], launcher: str, npro
         return start()
     # torchrun on this node (--standalone): its workers descend from this process, which holds the lock;
     # mpirun's and srun's rank 0 may run on another node: the job's rank 0 takes the lock there.
-    with _claim(cfg, hold=launcher == "torchrun"):
+    with _claim(cfg, hold=kind.workers_descend):
         return start()

@@ -141,3 +141,19 @@ def test_rendezvous_under_srun_and_a_torchrun_without_master(monkeypatch):
         monkeypatch.delenv(var)
     with pytest.raises(SubnetdpError, match="MASTER_ADDR and MASTER_PORT are not set for a 2-process torchrun"):
         rendezvous(LaunchEnv(0, 2, 0, 2, "torchrun"))
+
+
+def test_a_launcher_is_one_object_chosen_by_name_and_an_unknown_one_is_one_line():
+    from subnetdp.launchers.kinds import LAUNCHERS, launcher_named
+
+    torchrun, srun = launcher_named("torchrun"), launcher_named("srun")
+    assert launcher_named("torchrun") is torchrun and list(LAUNCHERS) == ["torchrun", "mpirun", "srun"]
+    assert torchrun.workers_descend and torchrun.workers_here  # holds the lock for workers it starts here
+    assert not srun.workers_descend and not srun.workers_here  # its workers run on SLURM's nodes
+    assert not launcher_named("mpirun").workers_descend
+    with pytest.raises(ConfigError) as e:
+        launch_command("torchrn", 2, ["resnet18_digits"])
+    line = str(e.value)
+    assert line.splitlines() == [line] and line.startswith("--launcher='torchrn': unknown launcher; valid choices: "
+                                                           "torchrun, mpirun, srun")
+    assert "did you mean 'torchrun'" in line
