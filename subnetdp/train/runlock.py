@@ -159,30 +159,10 @@ class RunLock:
             self._file = None
 
 
-def check_writable(run_dir: Path) -> None:
-    """Raise :class:`ConfigError` naming ``run.dir`` when ``run_dir`` cannot be made or written.
-
-    Checked in the launching process, before any worker starts: otherwise every rank stops on its own
-    ``OSError`` at the lock file. The nearest folder that exists must be a writable, searchable
-    directory (``os.access``, so root passes where the kernel would let it write).
-    """
-    from subnetdp.core.errors import ConfigError
-
-    run_dir = Path(run_dir)
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    fix = "give run.dir=PATH in a folder you can write, or make this one writable"
-    if not existing.is_dir():
-        raise ConfigError("run.dir", str(run_dir), f"{existing} is not a directory", fix)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("run.dir", str(run_dir), f"{existing} is not writable", fix)
-
-
 def check_free(run_dir: Path) -> None:
     """Raise :class:`RunLockedError` if a live job other than this process's own launcher holds ``run_dir``
     (checked, not taken), or :class:`ConfigError` if ``run_dir`` cannot be written."""
-    check_writable(run_dir)
+    check_writable(run_dir, str(run_dir))
     path = Path(run_dir) / LOCK_FILE
     if not path.is_file() or path.is_symlink():
         return

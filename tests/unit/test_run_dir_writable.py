@@ -18,7 +18,7 @@ def test_run_dir_under_a_regular_file_is_one_line(tmp_path):
         runlock.check_free(blocker / "exp1")
     line = str(err.value)
     assert "\n" not in line and line.startswith("run.dir=")
-    assert str(blocker / "exp1") in line and "not a directory" in line and "run.dir=PATH" in line
+    assert str(blocker / "exp1") in line and "not a folder" in line and "choose a run.dir" in line
 
 
 def test_read_only_run_dir_is_one_line(tmp_path):
@@ -29,7 +29,7 @@ def test_read_only_run_dir_is_one_line(tmp_path):
         if os.access(ro, os.W_OK):
             pytest.skip("this user (root) may write a 0500 directory")
         for run_dir in (ro, ro / "exp1"):  # the run directory itself, or the folder it would be made in
-            with pytest.raises(ConfigError, match=r"^run\.dir=.*is not writable — give run\.dir=PATH"):
+            with pytest.raises(ConfigError, match=r"^run\.dir=.*is not writable by this user — choose a run\.dir"):
                 runlock.check_free(run_dir)
     finally:
         ro.chmod(stat.S_IRWXU)
