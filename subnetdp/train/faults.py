@@ -10,6 +10,11 @@ production run pays one ``os.environ.get`` per point. The names are part of what
 - :data:`KILL_IN_SYNC` / :data:`KILL_IN_UPDATE`: inside this step's gradient averaging / right after
   its update (the training step, through :func:`step_faults`).
 - :data:`NO_SPACE_IN_ASSEMBLY`: ENOSPC while building a recovered step (:func:`no_space`).
+- :data:`FLIP_BIT` (``STEP:RANK:UNIT[:BIT]``, comma-separated; UNIT a unit id or ``shared``; BIT 0 = the
+  lowest, the default): flips that bit of the first value of the unit's first parameter piece on RANK
+  after STEP, the silent corruption a faulty memory cell makes, for the owners' verification
+  (:func:`flip_bits`). A flipped low mantissa bit can be rounded away by the next update; a test that
+  needs the fault to last until the next verification flips a higher one.
 
 :data:`KILL_RANK` picks the ranks ("1", the default, or "1,2" at once) and :data:`KILL_SIGNAL` the
 signal (KILL, the default, or STOP: a stalled rank instead of a dead one).
@@ -22,6 +27,11 @@ import os
 import signal
 from pathlib import Path
 from typing import Callable
+
+import torch
+
+from subnetdp.core.contracts import Communicator
+from subnetdp.sdp.verify import SHARED, unit_tensors
 
 KILL_AT_STEP = "SUBNETDP_TEST_KILL_AT_STEP"  # test-only: SIGKILL a rank after this step
 KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL between temp file and rename
@@ -68,3 +78,33 @@ def no_space(step: int, what: Path) -> None:
     """Test-only: raise ENOSPC (a full disk) naming ``what`` when ``$NO_SPACE_IN_ASSEMBLY`` equals ``step``."""
     if os.environ.get(NO_SPACE_IN_ASSEMBLY) == str(step):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(what))
+
+
+FLIP_BIT = "SUBNETDP_TEST_FLIP_BIT"
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def flips_asked(step: int, rank: int) -> list[tuple[int, int]]:
+    """``(unit, bit)`` of every flip this rank makes after ``step``."""
+    out = []
+    for fault in filter(None, os.environ.get(FLIP_BIT, "").split(",")):
+        at, who, unit, *bit = fault.strip().split(":")
+        if int(at) == step and int(who) == rank:
+            out.append((SHARED if unit == "shared" else int(unit), int(bit[0]) if bit else 0))
+    return out
+
+
+def flip_bits(step: int, state, comm: Communicator) -> None:
+    """Flip the bits :func:`flips_asked` names (no communication: the other owners never learn of it)."""
+    for unit, bit in flips_asked(step, comm.rank):
+        for u, _, _, view in unit_tensors(state.model, state.optimizer, state.pmap, state.partition, state.plan,
+                                          comm.rank):
+            if u == unit:
+                with torch.no_grad():
+                    first = view.detach()[(0,) * view.dim()]  # a 0-d view into the tensor's storage
+                    bits = first.clone().reshape(1).view(_INT_OF_SIZE[first.element_size()])
+                    bits ^= 1 << bit
+                    first.copy_(bits.view(first.dtype).reshape(()))
+                break
+        else:
+            raise ValueError(f"{FLIP_BIT}: rank {comm.rank} does not own {unit}")

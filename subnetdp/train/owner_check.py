@@ -22,7 +22,7 @@ from subnetdp.core.contracts import RunContext
 from subnetdp.sdp.verify import OwnersDisagree, Verdict, compare, repair, unit_digests, unit_name
 from subnetdp.train.checkpoints.checkpointer import final_wanted
 from subnetdp.train.failures import log_path, stamp
-from subnetdp.train.verify_faults import flip_bits
+from subnetdp.train.faults import flip_bits
 
 
 class OwnerCheck:

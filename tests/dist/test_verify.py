@@ -16,7 +16,7 @@ from subnetdp.sdp.verify import OwnersDisagree
 from subnetdp.train.failures import log_path
 from subnetdp.train.loop import train_loop
 from subnetdp.train.setup import setup
-from subnetdp.train.verify_faults import FLIP_BIT
+from subnetdp.train.faults import FLIP_BIT
 from tests.helpers import digest, plugin_manager, run_ranks, small_config
 
 

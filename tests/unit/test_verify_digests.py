@@ -12,7 +12,7 @@ from torch import nn
 from subnetdp.core.contracts import ParamMap, Partition, TensorSlice, Unit
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.verify import SHARED, Mismatch, unit_digests
-from subnetdp.train.verify_faults import FLIP_BIT, flip_bits
+from subnetdp.train.faults import FLIP_BIT, flip_bits
 
 
 def _neuron_model():
