@@ -181,7 +181,7 @@ def test_a_unit_with_no_surviving_owner_and_no_checkpoint_restarts_and_names_the
     assert re.search(r"subnetdp: set aside this run's 1 survivors' fragment\(s\) of step 3 \(ranks \[0\]\), which "
                      rf"lack layer\S* .*\(no surviving owner\) in {re.escape(str(aside))}", proc.stdout), proc.stdout[-3000:]
     assert sorted(p.name for p in aside.glob("*/step_*")) == ["step_00000003.rank_0"]
-    assert proc.returncode == 0 and (ck.step_dir(run, 6) / ck.MANIFEST).is_file()
+    assert proc.returncode == 0 and (ck.step_dir(run, END) / ck.MANIFEST).is_file()
 
 
 def test_a_killed_worker_reads_as_one_line_per_rank_with_the_traceback_in_the_run_directory(tmp_path):
