@@ -159,10 +159,11 @@ class RunLock:
             self._file = None
 
 
-def check_free(run_dir: Path) -> None:
+def check_free(run_dir: Path, given: str | None = None) -> None:
     """Raise :class:`RunLockedError` if a live job other than this process's own launcher holds ``run_dir``
-    (checked, not taken), or :class:`ConfigError` if ``run_dir`` cannot be written."""
-    check_writable(run_dir, str(run_dir))
+    (checked, not taken), or :class:`ConfigError` if ``run_dir`` cannot be written (``given``: ``run.dir``
+    as configured, for that line; ``run_dir`` itself when not given)."""
+    check_writable(run_dir, str(run_dir) if given is None else given)
     path = Path(run_dir) / LOCK_FILE
     if not path.is_file() or path.is_symlink():
         return
@@ -234,8 +235,7 @@ def claim(run_dir: Path, check_new_run: Callable[..., None], given: str, hold: b
         given: ``run.dir`` as configured, for the error line.
         hold: whether this process starts the workers on this node and holds the lock for them.
     """
-    check_writable(run_dir, given)
-    check_free(run_dir)  # a busy run directory is this line, not the old-run line below
+    check_free(run_dir, given)  # writable first; a busy run directory is this line, not the old-run line below
     if not hold:
         check_new_run()
         return nullcontext()
