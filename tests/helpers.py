@@ -212,3 +212,35 @@ def train_gathered(cfg, rank: int, world: int) -> tuple[dict[str, torch.Tensor],
     finally:
         ctx.comm.shutdown()
     return params, result.summary, sharded
+
+
+NOBODY = 65534
+
+
+def unprivileged_folder(prefix: str) -> Path:
+    """A fresh folder that uid :data:`NOBODY` may reach and owns (under /tmp, whose pytest folders are 0700)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(folder, 0o755)
+    if os.geteuid() == 0:
+        os.chown(folder, NOBODY, NOBODY)
+    return folder
+
+
+class as_nobody:
+    """Within this block the process's real and effective ids are uid/gid :data:`NOBODY` (root keeps them as
+    its saved ids and gets them back on exit), so ``os.access`` answers as an ordinary user would: a test of
+    a permission refusal then runs as root too instead of being skipped. A no-op for a non-root user."""
+
+    def __enter__(self) -> "as_nobody":
+        self.root = os.geteuid() == 0
+        if self.root:
+            os.setresgid(NOBODY, NOBODY, 0)
+            os.setresuid(NOBODY, NOBODY, 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.root:
+            os.setresuid(0, 0, 0)
+            os.setresgid(0, 0, 0)
