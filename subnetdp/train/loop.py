@@ -81,9 +81,10 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     owners = OwnerCheck(ctx, state)  # recovery.verify_every
     evaluation: Evaluation | None = None
     every_step_stop = bool(cfg.sync.stop_every_step)
-    with reporting(ctx, meter):  # the built-in reporter: progress, log lines, TensorBoard, summary.json
+    with reporting(ctx, meter) as reporter:  # the built-in reporter: progress, log lines, TensorBoard, summary.json
         try:
             hook.subnetdp_on_run_start(context=ctx, state=state)
+            reporter.carry_over(ctx, state, ckpt.carried)  # a step the survivors finished and nobody logged
             if stopper is not None:
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
@@ -102,8 +103,9 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                         state.replan(redrawn, PeerPieces())
                 # collective when due: the owners of every unit compare digests (before any checkpoint of this step).
                 owners.after_step(step, stopping=bool(out.stops))
-                ckpt.mark_finished(step)  # what a survivor's files need (outside the measured step)
-                metrics = {"loss": float(out.loss), "lr": state.optimizer.param_groups[0]["lr"],
+                loss = float(out.loss)
+                ckpt.mark_finished(step, loss)  # what a survivor's files need (outside the measured step)
+                metrics = {"loss": loss, "lr": state.optimizer.param_groups[0]["lr"],
                            "step_time": meter.last_step_time, "grad_norm": out.grad_norm, **probe.figures(step)}
                 if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
                     evaluation = evaluate_run(ctx, state, step)  # collective: the union model streams through every rank
@@ -111,6 +113,8 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                                               union=evaluation.union, tasks=evaluation.tasks)
                 # collective on log steps: every rank's reporter adds up the world's losses.
                 hook.subnetdp_on_step_end(context=ctx, state=state, step=step, metrics=metrics)
+                if log_step:
+                    ckpt.mark_logged(step)  # the row holds this rank's losses: a survivor need not keep them
                 ckpt.after_step(step)  # collective on save steps: checkpoint.every and the last step
                 if stopper is not None and step < steps:
                     # The step agreed on the signals in its world reduction (or local steps' synchronisation);

@@ -28,6 +28,7 @@ from subnetdp.train.failures import stamp
 from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
 
 if TYPE_CHECKING:
+    from subnetdp.train.checkpoints.unlogged import Carried
     from subnetdp.train.evaluation import Evaluation
     from subnetdp.train.state import TrainState
 
@@ -118,6 +119,7 @@ class Reporter:
         self.bar: Any = None
         self.losses: list[float] = []  # this rank's losses since the last log step
         self.held: list[Callable[[], None]] = []  # an evaluation's lines: written after its step's line
+        self.recovered: dict[str, Any] | None = None  # the next row's mean holds survivors' carried losses
         self.logged_peak = 0
         # What a step consumes over all ranks: samples (tokens for language models) and training FLOPs.
         samples = ctx.world_size * int(cfg.train.batch_size) * int(cfg.train.grad_accum)
@@ -177,6 +179,8 @@ class Reporter:
             record["train/tokens_per_s"] = record["train/samples_per_s"] * ctx.spec.seq_len
         record.update(self.consumed(step))
         self.log.scalars(step, {k: v for k, v in record.items() if k != "step"})
+        if self.recovered is not None:  # rank 0 only: the survivors' losses of steps before the resume
+            record["recovered"], self.recovered = self.recovered, None
         self.log.jsonl(record)
         self.by_consumed(step, {"train_loss": record["train/loss"]})
         self.log.scalars(step, {k: v for k, v in self.meter.rank_scalars(step).items() if k != "rank/peak_memory_bytes"},
@@ -189,6 +193,31 @@ class Reporter:
             self.bar.write(line)
         elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines,
             print(f"{stamp()} {line}", flush=True)  # timestamped, so a job's log says when each step ended
+
+    def carry_over(self, ctx: RunContext, state: "TrainState", carried: "Carried | None") -> None:
+        """Rank 0 of a run resumed from survivors' files: the losses its log owes
+        (:mod:`subnetdp.train.checkpoints.unlogged`). A log step gets its row now, marked
+        ``"recovered"`` with the ranks whose losses it averages; otherwise they join the next row's mean
+        (marked the same way: the dead ranks' losses of those steps are gone)."""
+        if carried is None:
+            return
+        step, ranks = carried.step, carried.ranks
+        mark = {"ranks": ranks, "world_size": carried.world_size, "steps": sorted({s for _, s, _ in carried.entries})}
+        if not (step % self.log_every == 0 or step == self.steps):
+            self.losses.extend(carried.losses)  # the next log row's all-reduce adds them to the world's
+            self.recovered = mark  # ...which says that these steps' mean lacks the dead ranks' losses
+            return
+        record = {"step": step, "train/loss": sum(carried.losses) / len(carried.losses),
+                  "train/lr": state.optimizer.param_groups[0]["lr"], **self.consumed(step), "recovered": mark}
+        self.log.scalars(step, {"train/loss": record["train/loss"], "train/lr": record["train/lr"]})
+        self.log.jsonl(record)
+        self.by_consumed(step, {"train_loss": record["train/loss"]})
+        line = (f"step {step:>6}  loss {record['train/loss']:.4f}  lr {record['train/lr']:.4g}  (recovered: the "
+                f"losses of ranks {ranks} of {carried.world_size}, kept by the survivors)")
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(f"{stamp()} {line}", flush=True)
 
     def consumed(self, step: int) -> dict[str, float]:
         """What the world has consumed after ``step`` steps: ``train/{tokens,samples}_seen``, ``train/flops``

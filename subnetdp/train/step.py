@@ -39,12 +39,14 @@ class StepProgress:
 
     ``updated``: this rank applied the step's optimizer update (and stepped the schedule);
     ``settled``: and every collective that changes its parameters after the update (local steps'
-    synchronisation) completed, so the values it holds are the step's final ones.
+    synchronisation) completed, so the values it holds are the step's final ones; ``loss``: this
+    rank's loss of the step once updated (a survivor keeps it for the step's log row).
     """
 
     step: int = 0
     updated: bool = False
     settled: bool = False
+    loss: Any = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
     sync, guard, accum = ctx.sync, ctx.guard, ctx.accum
     signal = pending_signal if pending_signal is not None else (lambda: 0)
     progress = progress if progress is not None else StepProgress()
-    progress.step, progress.updated, progress.settled = step, False, False
+    progress.step, progress.updated, progress.settled, progress.loss = step, False, False, None
     loss_sum = torch.zeros((), device=ctx.device)
     seen: list[Any] = []
     for micro in range(accum):
@@ -138,6 +140,7 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
         ctx.fault("update", step)
     if ctx.scheduler is not None:
         ctx.scheduler.step()
+    progress.loss = loss_sum  # read (on the host) only by a survivor
     progress.updated = True  # the commit point is behind: every rank contributed to the last world collective
     # collective when due: local steps' owners average their parameter deltas and the outer optimizer
     # steps; every rank's pending signal rides in its world bucket.

@@ -19,6 +19,8 @@ traceback.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
@@ -30,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import survivors
@@ -140,6 +143,47 @@ def test_survivors_resume_the_last_finished_step_and_match(reference, tmp_path, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(survivors.survivors_dir(run).iterdir())  # superseded fragments are gone
     assert not list(ck.checkpoints_dir(run).glob("*.tmp"))  # so is a torn save's leftover
+    _assert_log_misses_no_step(run, reference, where)
+
+
+def _train_rows(run: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "train/loss" in r]
+    assert len({r["step"] for r in train}) == len(train), [r["step"] for r in train]  # no step logged twice
+    return {r["step"]: r for r in train}
+
+
+def _rank_losses(run: Path, ranks: list[int], steps: list[int]) -> list[float]:
+    out = []
+    for r in ranks:
+        acc = EventAccumulator(str(run / "tensorboard" / f"rank_{r}"), size_guidance={"scalars": 0})
+        acc.Reload()
+        by_step = {e.step: e.value for e in acc.Scalars("rank/loss")}
+        out += [by_step[s] for s in steps]
+    return out
+
+
+def _assert_log_misses_no_step(run: Path, reference: Path, where: str) -> None:
+    """Every log step has one row. A kill after step 4's update and before its log's all-reduce leaves
+    step 4 finished by the survivors and logged by nobody: its row is written on resume from the
+    survivors' own losses of steps 3 and 4 (the reference's per-rank losses, the dead rank's left out);
+    a kill inside step 4's averaging resumes at step 3, whose survivors' losses join row 4's mean."""
+    got, want = _train_rows(run), _train_rows(reference)
+    assert sorted(got) == [2, 4, END], sorted(got)
+    for step in (2, END):  # trained by the whole world, bit for bit as the reference: the same mean
+        assert got[step]["train/loss"] == want[step]["train/loss"] and "recovered" not in got[step]
+    row = got[4]
+    if where == ck.KILL_IN_UPDATE:
+        assert row["recovered"] == {"ranks": [0, 2, 3], "world_size": 4, "steps": [3, 4]}, row
+        expected = _rank_losses(reference, [0, 2, 3], [3, 4])
+    elif where == ck.KILL_IN_SYNC:
+        assert row["recovered"] == {"ranks": [0, 2, 3], "world_size": 4, "steps": [3]}, row
+        expected = _rank_losses(reference, [0, 2, 3], [3]) + _rank_losses(reference, [0, 1, 2, 3], [4])
+    else:  # killed after step 4's log: its row is the world's
+        assert row == want[4] | {k: row[k] for k in row if k.endswith(("_s", "per_s"))}, (row, want[4])
+        return
+    # float32 losses summed in float64 in another order: equal to within float64 rounding.
+    assert math.isclose(row["train/loss"], sum(expected) / len(expected), rel_tol=1e-12), (row, expected)
 
 
 def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, tmp_path):

@@ -44,6 +44,7 @@ from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.train import faults
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import lineage, survivors, units
+from subnetdp.train.checkpoints.unlogged import Carried, Unlogged, carried
 from subnetdp.train.checkpoints.source import CheckpointPieces, extra_by_prefix, local_names, rng_state
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class Checkpointer:
         self.last_saved: Path | None = None
         self._boundary: tuple[int, Any, Any, dict[str, torch.Tensor]] | None = None
         self._persistent: tuple[Any, set[str]] = (None, set())
+        self.unlogged = Unlogged()  # this rank's losses no log row holds yet (a survivor keeps them)
+        self.carried: Carried | None = None  # rank 0, resumed from survivors: the losses its log owes
 
     def _local_names(self) -> list[str]:
         """The local name of every optimizer parameter, in the optimizer's order (outside gathered())."""
@@ -223,15 +226,21 @@ class Checkpointer:
             return "fsdp.shard_size > 1 (a shard's optimizer state is gathered by a collective)"
         return None
 
-    def mark_finished(self, step: int) -> None:
+    def mark_finished(self, step: int, loss: float | None = None) -> None:
         """Remember what a survivor's files need of ``step``, the last step this rank finished: the data
         position, the RNG states and the buffers (the next step's forward changes them before any of
-        its collectives can fail). Cheap: two integers, the RNG states and the buffers' values."""
+        its collectives can fail), and this rank's ``loss`` until a log row holds it (:meth:`mark_logged`).
+        Cheap: two integers, the RNG states and the buffers' values."""
         if self.recoverable() is not None:
             return
+        self.unlogged.note(step, loss)
         persistent = self._persistent_buffers()
         buffers = {n: b.detach().clone() for n, b in self.state.model.named_buffers() if n in persistent}
         self._boundary = (step, self.loader.state_dict(), rng_state(), buffers)
+
+    def mark_logged(self, step: int) -> None:
+        """A log row holds the losses of every step up to ``step`` (after the reporter's log step)."""
+        self.unlogged.logged(step)
 
     def _persistent_buffers(self) -> set[str]:
         model = self.state.model
@@ -294,7 +303,8 @@ class Checkpointer:
         files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
         files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
         return survivors.write_fragment(ctx.run_dir, self._header(step), self.rank, files, sorted(held),
-                                        units.piece_index(partition, plan, sync.owners_diverge))
+                                        units.piece_index(partition, plan, sync.owners_diverge),
+                                        self.unlogged.upto(step, state.progress))
 
     # ------------------------------------------------------------------ resuming
     def start(self) -> int:
@@ -339,6 +349,8 @@ class Checkpointer:
                 raise CheckpointError("; ".join(errors))
             break
         if self.rank == 0:
+            manifest = ck.read_manifest(Path(choice["path"]))
+            self.carried = carried(manifest, self.ctx.run_dir / "metrics.jsonl")  # the reporter writes them
             if choice["assembled"]:  # it loaded: the survivors' files it came from are of no more use
                 survivors.prune_superseded(self.ctx.run_dir)
             how = " on a new plan (re-planned: each rank loaded its new units)" if source.replanned else ""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from subnetdp.core.contracts import DataSpec
-from subnetdp.core.records import Anything, FileName, Int, ListOf, MapOf, Nullable, Record, Str
+from subnetdp.core.records import Anything, FileName, Int, ListOf, MapOf, Nullable, Number, Record, Str
 
 SHA256 = Str(r"[0-9a-f]{64}", "a sha256 (64 hex digits)")
 
@@ -41,6 +41,8 @@ MANIFEST = Record(
               "reference": Nullable(MapOf(Str(), Anything())),
               # a checkpoint assembled from the survivors' files: the ranks that wrote none, and those that did
               "absent_ranks": ListOf(Int(0)), "recovered_from": ListOf(Int(0)),
+              # ...and the survivors' losses of the steps after the run's last log row (checkpoints.unlogged)
+              "unlogged_losses": ListOf(Record({"rank": Int(0), "step": Int(0), "loss": Number()})),
               # the history of the state: the run's start and every explicit resume (checkpoints.lineage)
               "lineage": ListOf(Record({"id": Str(), "from_step": Int(0)}))},
 )

@@ -48,6 +48,7 @@ from subnetdp.train import faults
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import lineage, schema, units
 from subnetdp.train.checkpoints.source import read_plan
+from subnetdp.train.checkpoints.unlogged import manifest_entries
 
 FRAGMENT = "FRAGMENT.json"
 SURVIVORS = "survivors"
@@ -58,7 +59,9 @@ FRAGMENT_DIR = re.compile(r"^step_(\d{8})\.rank_(\d+)$")
 #: writing rank, the files it wrote (size and sha256) and the keys of the pieces in its pieces file.
 FRAGMENT_RECORD = Record(
     {"header": MapOf(Str(), records.Anything()), "rank": Int(0), "files": MapOf(records.FileName(), schema.FILE_ENTRY),
-     "held": ListOf(Str()), "index": MapOf(Str(), schema.PIECE)})
+     "held": ListOf(Str()), "index": MapOf(Str(), schema.PIECE)},
+    # the writer's losses of the steps up to its step that no log row held (checkpoints.unlogged)
+    optional={"losses": MapOf(Str(r"[0-9]+", "a step"), records.Number())})
 
 
 def survivors_dir(run_dir: Path) -> Path:
@@ -93,14 +96,15 @@ def fragment_dir(run_dir: Path, step: int, rank: int) -> Path:
 
 
 def write_fragment(run_dir: Path, header: dict[str, Any], rank: int, files: dict[str, Any],
-                   held: list[str], index: dict[str, dict[str, Any]]) -> Path:
+                   held: list[str], index: dict[str, dict[str, Any]], losses: dict[int, float] | None = None) -> Path:
     """Finish the fragment whose files were written (atomically) into its ``.tmp`` directory: the
     record last, then the rename. ``files``: name -> size and sha256; ``held``: the piece keys in
-    this rank's pieces file; ``index``: the plan's full piece index (what a complete step needs)."""
+    this rank's pieces file; ``index``: the plan's full piece index (what a complete step needs);
+    ``losses``: this rank's losses of the steps no log row holds (step -> loss)."""
     final = fragment_dir(run_dir, int(header["step"]), rank)
     tmp = final.with_name(final.name + ".tmp")
     record = {"header": header, "rank": rank, "files": dict(sorted(files.items())), "held": sorted(held),
-              "index": index}
+              "index": index, "losses": {str(s): float(v) for s, v in sorted((losses or {}).items())}}
     ck.write_text_atomic(tmp / FRAGMENT, json.dumps(record, indent=1))
     if final.exists() or final.is_symlink():
         ck.remove_checkpoint(final)
@@ -290,7 +294,8 @@ def _build(run_dir: Path, step: int, group: list[Fragment], index: dict[str, dic
         present = sorted(f.rank for f in group)
         absent = sorted(set(range(int(group[0].header["world_size"]))) - set(present))
         manifest = {**group[0].header, "files": dict(sorted(files.items())), "pieces": pieces,
-                    "absent_ranks": absent, "recovered_from": present}
+                    "absent_ranks": absent, "recovered_from": present,
+                    "unlogged_losses": manifest_entries([(f.rank, f.record.get("losses", {})) for f in group])}
         ck.finish_directory(tmp, final, manifest)
     except OSError:
         ck.remove_checkpoint(tmp)
