@@ -30,6 +30,7 @@ from subnetdp.sdp.construct import meta_model
 from subnetdp.sdp.flops import FlopRatios
 from subnetdp.sdp.variants import partition_model
 from subnetdp.train.checkpoints.checkpointer import check_resume_source
+from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.evaluation import load_tasks
 from subnetdp.train.runlock import RunLock, RunLockedError
 from subnetdp.train.state import TrainState
@@ -131,7 +132,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
         on_context(ctx)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
     # mesh (when sharded) and the synchroniser's owner groups are created on every rank.
-    return ctx, TrainState.build(ctx, partition, plan, full)
+    return ctx, TrainState.build(ctx, partition, plan, full, last_good=lambda: latest_checkpoint(ctx.run_dir))
 
 
 def count_flops(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, full: torch.nn.Module, partition: Partition,

@@ -37,7 +37,6 @@ from subnetdp.sdp.union import scalable_branches
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
 from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.variants import regime_of
-from subnetdp.train.checkpoints.files import latest_checkpoint
 from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.train.step import StepContext, StepProgress, StepResult, train_step
@@ -107,9 +106,11 @@ class TrainState(TrainStateView):
         model, pmap: the rank's model (holding its initial values) and its parameter map.
     """
 
-    def __init__(self, ctx: RunContext, partition: Partition, plan: MaskPlan, model: nn.Module, pmap: ParamMap) -> None:
+    def __init__(self, ctx: RunContext, partition: Partition, plan: MaskPlan, model: nn.Module, pmap: ParamMap,
+                 last_good: Callable[[], Any] = lambda: None) -> None:
         cfg = ctx.cfg
         self._ctx, self._partition, self._step = ctx, partition, 0
+        self._last_good = last_good  # the run's last good checkpoint, named when a non-finite step stops it
         self._progress = StepProgress()
         self._settings = SyncSettings.from_config(cfg)
         self._parallel = RankParallelism(cfg, ctx.comm)
@@ -121,13 +122,15 @@ class TrainState(TrainStateView):
         self._install(model, pmap, plan)
 
     @classmethod
-    def build(cls, ctx: RunContext, partition: Partition, plan: MaskPlan, full: nn.Module) -> "TrainState":
+    def build(cls, ctx: RunContext, partition: Partition, plan: MaskPlan, full: nn.Module,
+              last_good: Callable[[], Any] = lambda: None) -> "TrainState":
         """The state of rank ``ctx.rank``: its units and the shared tensors materialised on its device,
-        each initialised from the seed and its global name. Collective (see :meth:`_install`)."""
+        each initialised from the seed and its global name. Collective (see :meth:`_install`).
+        ``last_good`` gives the run's last good checkpoint (the checkpointer's, which the state does not know)."""
         cfg = ctx.cfg
         model, pmap = build_local(ctx.adapter, full, plan.owned[ctx.rank], partition, cfg.masker, int(cfg.seed),
                                   ctx.comm.device)
-        return cls(ctx, partition, plan, model, pmap)
+        return cls(ctx, partition, plan, model, pmap, last_good)
 
     def _install(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan) -> None:
         """Make ``model`` the trained one: parallelisms, optimizer, schedule at the current step,
@@ -149,10 +152,6 @@ class TrainState(TrainStateView):
             # With local steps owners disagree between synchronisations: refresh only right after one.
             self._refresher = Refresher(model, pmap, plan, self._partition, ctx.comm,
                                         int(cfg.masker.refresh_every) * self._settings.cycle, self._settings.bucket_cap_mb)
-
-    def _last_good(self) -> Any:
-        """The run's last good checkpoint (named when a non-finite step stops the run), or None."""
-        return latest_checkpoint(self._ctx.run_dir)
 
     # ------------------------------------------------------------------ read-only view
     @property

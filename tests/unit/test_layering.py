@@ -256,3 +256,10 @@ def test_the_public_wrapper_is_loaded_on_first_use_only():
     code = ("import sys, subnetdp; assert 'subnetdp.parallel' not in sys.modules; "
             "f = subnetdp.parallelize; assert f.__module__ == %r and 'subnetdp.parallel' in sys.modules" % LAZY_ENTRANCE)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_training_state_knows_no_checkpoint_files():
+    # The state is saved and loaded by the checkpointer, which stands above it: the state is handed
+    # what it needs of the checkpoints (the last good one, for the non-finite guard's message).
+    assert not [m for m in reached("subnetdp.train.state") if m.startswith("subnetdp.train.checkpoints")], \
+        sorted(m for m in reached("subnetdp.train.state") if m.startswith("subnetdp.train.checkpoints"))
