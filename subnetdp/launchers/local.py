@@ -26,6 +26,7 @@ from subnetdp.launchers.signals import Handlers
 
 SHUTDOWN_TIMEOUT_S = 120  # after a signal: time for the workers to finish the step and checkpoint it
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SECOND_SIGNAL_WAIT_S = 2.0  # after a second signal: how long the workers get to abort on it (they exit at once)
 # What a worker's process state (/proc/PID/stat) tells about why it has not stopped.
 _STATES = {
     "T": "stopped (state T: SIGSTOP, SIGTSTP or a debugger), so it cannot reach the step boundary",
@@ -107,13 +108,20 @@ class StopWatch:
             self._thread = threading.Thread(target=self._watch, name="subnetdp-stop-watch", daemon=True)
             self._thread.start()
         else:
-            # The agent ends its interrupted wait with SIGTERM to the workers: passed on first, the
-            # signal itself reaches them before it, and they report the second signal as what it was.
-            for pid, _ in worker_states(os.getpid()).values():
+            # The agent ends its interrupted wait with SIGTERM to the workers. Passed on first, the
+            # signal reaches them before it, but a worker may still act on the SIGTERM first (a signal
+            # delivered to one of its other threads waits for the main thread), and would report the
+            # person's second Ctrl-C as SIGTERM. So wait, briefly, for them to abort on this one.
+            workers = worker_states(os.getpid())
+            for pid, _ in workers.values():
                 try:
                     os.kill(pid, signum)
                 except OSError:  # already gone
                     pass
+            deadline = time.monotonic() + SECOND_SIGNAL_WAIT_S
+            while workers and time.monotonic() < deadline:
+                time.sleep(0.02)
+                workers = worker_states(os.getpid())  # exited ones are zombies until reaped: not listed
         sig = signal.Signals(signum)
         raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
