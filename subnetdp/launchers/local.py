@@ -81,9 +81,10 @@ class StopWatch:
     that says so.
     """
 
-    def __init__(self, timeout_s: float, nproc: int) -> None:
-        self.timeout_s, self.nproc = float(timeout_s), nproc
+    def __init__(self, timeout_s: float, nproc: int | None, key: str = "launch.stop_timeout_s") -> None:
+        self.timeout_s, self.nproc, self.key = float(timeout_s), nproc, key  # key: what sets the wait
         self.signum = 0
+        self.second = 0  # the second signal, when one came (the workers then abort without a checkpoint)
         self.started = 0.0
         self.last: dict[int, tuple[int, str]] = {}
         self._done = threading.Event()
@@ -108,6 +109,7 @@ class StopWatch:
             self._thread = threading.Thread(target=self._watch, name="subnetdp-stop-watch", daemon=True)
             self._thread.start()
         else:
+            self.second = signum
             # The agent ends its interrupted wait with SIGTERM to the workers. Passed on first, the
             # signal reaches them before it, but a worker may still act on the SIGTERM first (a signal
             # delivered to one of its other threads waits for the main thread), and would report the
@@ -136,9 +138,10 @@ class StopWatch:
             now = time.monotonic()
             if now >= next_report and states:
                 left = max(0.0, self.timeout_s - (now - self.started))
-                _say(f"{signal.Signals(self.signum).name} {now - self.started:.0f} s ago: waiting for {len(states)} of "
-                     f"{self.nproc} workers to finish their step and checkpoint: {describe(states)}; they are killed "
-                     f"in {left:.0f} s (launch.stop_timeout_s={self.timeout_s:g}; a second signal stops them at once)")
+                of = f" of {self.nproc}" if self.nproc else ""
+                _say(f"{signal.Signals(self.signum).name} {now - self.started:.0f} s ago: waiting for {len(states)}{of} "
+                     f"workers to finish their step and checkpoint: {describe(states)}; they are killed "
+                     f"in {left:.0f} s ({self.key}={self.timeout_s:g}; a second signal stops them at once)")
                 next_report = now + 30.0
 
     def gave_up(self) -> bool:
@@ -147,7 +150,7 @@ class StopWatch:
     def verdict(self) -> str:
         """The one line for a wait that ran out: who was killed and why they had not stopped."""
         who = describe(self.last) if self.last else "the workers still running"
-        return (f"gave up waiting {self.timeout_s:g} s (launch.stop_timeout_s) after {signal.Signals(self.signum).name} "
+        return (f"gave up waiting {self.timeout_s:g} s ({self.key}) after {signal.Signals(self.signum).name} "
                 f"for the workers to stop at a step boundary: {who}; killed them (SIGKILL): this step was not "
                 "saved, the run's newest checkpoint is where resume=auto continues")
 

@@ -23,16 +23,23 @@ their C++ side's output to ``logs/`` too (:func:`subnetdp.train.failures.route_n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from subnetdp.launchers.failures import describe_failures
 
+if TYPE_CHECKING:
+    from subnetdp.launchers.local import StopWatch
+
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"  # torchrun's --signals-to-handle, from the environment
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's wait for the workers after a signal (30 s)
 
 
 def _first_line(error: BaseException) -> str:
@@ -98,6 +105,33 @@ def route_agent_logs(argv: list[str]) -> Path | None:
     return path
 
 
+def _option(args: list[str], *names: str) -> str | None:
+    """The value of torchrun option ``names`` in ``args`` (``--name=V`` or ``--name V``), or None."""
+    for i, a in enumerate(args):
+        if a == "-m" or not a.startswith("-"):  # the program and its arguments follow
+            break
+        for n in names:
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+    return None
+
+
+def stop_watch(args: list[str]) -> "StopWatch | None":
+    """SIGINT and SIGTERM handled as ``subnetdp train launch.nproc=N`` handles them
+    (:class:`~subnetdp.launchers.local.StopWatch`: the wait said aloud, a second signal passed on and
+    waited for), unless the command line or ``PET_SIGNALS_TO_HANDLE`` chooses the agent's signals."""
+    from subnetdp.launchers.local import StopWatch
+
+    if _option(args, "--signals-to-handle", "--signals_to_handle") is not None or SIGNALS_ENV in os.environ:
+        return None
+    os.environ[SIGNALS_ENV] = "SIGHUP,SIGQUIT"  # the agent's default for the others; these two are the watch's
+    nproc = _option(args, "--nproc-per-node", "--nproc_per_node")
+    timeout = _option(args, "--shutdown-timeout", "--shutdown_timeout") or os.environ.get(SHUTDOWN_ENV, "30")
+    return StopWatch(float(timeout), int(nproc) if nproc and nproc.isdigit() else None, key="torchrun --shutdown-timeout")
+
+
 def main(argv: list[str] | None = None) -> int:
     from subnetdp.launchers.lifetime import PARENT_ENV
 
@@ -110,14 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
-    route_agent_logs(sys.argv[1:] if argv is None else argv)  # after torch's imports, which set up its logging
-
+    args = sys.argv[1:] if argv is None else list(argv)
+    route_agent_logs(args)  # after torch's imports, which set up its logging
+    watch = stop_watch(args)
     try:
-        torchrun(argv)
+        with watch if watch is not None else contextlib.nullcontext():
+            torchrun(argv)
     except SignalException as e:
         name = signal.Signals(int(e.sigval)).name
-        print(f"torchrun: stopped by {name}: the workers were passed the signal and stopped at a step boundary "
-              "(the run's newest checkpoint holds that step)", file=sys.stderr, flush=True)
+        if watch is not None and watch.gave_up():
+            print(f"torchrun: {watch.verdict()}", file=sys.stderr, flush=True)
+        elif watch is not None and watch.second:
+            print(f"torchrun: stopped by a second {signal.Signals(watch.second).name}: the workers aborted at once, "
+                  "without a checkpoint (resume=auto continues from the run's newest checkpoint)",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"torchrun: stopped by {name}: the workers were passed the signal and stopped at a step boundary "
+                  "(the run's newest checkpoint holds that step)", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         print(f"torchrun: no restart is left (--max-restarts): {describe_failures(e.failures)}", file=sys.stderr,

@@ -158,6 +158,18 @@ def test_ctrl_c_and_sigkill_of_subnetdp_launch_under_torchrun(tmp_path):
     saved = ck.latest_checkpoint(tmp_path / "interrupted")
     assert saved is not None and json.loads((saved / ck.MANIFEST).read_text())["step"] >= 2
 
+    # Ctrl-C twice: the workers abort at once and say so, and torchrun's line does not claim a checkpoint.
+    cmd = [*SUBNETDP, "launch", "--nproc", "2", *ARGS, f"run.dir={tmp_path}", "run.name=twice"]
+    proc, workers = _start(cmd, tmp_path / "twice", {**ENV, STOP_HOLD: "5"})
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in out + err, err[-3000:]
+    assert "second signal (SIGINT): aborting now" in err, err[-3000:]
+    assert "torchrun: stopped by a second SIGINT: the workers aborted at once, without a checkpoint" in err, err[-3000:]
+    assert not _gone_within(workers, 5)
+
     # SIGKILL of `subnetdp launch` takes torchrun and the workers with it.
     cmd = [*SUBNETDP, "launch", "--nproc", "2", *ARGS, f"run.dir={tmp_path}", "run.name=launched"]
     proc, workers = _start(cmd, tmp_path / "launched")
