@@ -10,7 +10,7 @@ each trial, the run with recovery (``checkpoint.survivors=true``, the default) a
 - seconds from the kill to the end of the first step after it (the kill's marker file against rank 0's
   TensorBoard event times);
 - bytes the survivors wrote (the files of the assembled checkpoint);
-- whether the final parameters and optimizer state equal an uninterrupted run's, bit for bit.
+- whether the final parameters and optimizer state equal an uninterrupted run's of the same layout, bit for bit.
 
     .venv/bin/python benchmarks/recovery.py [--steps 200 --every 50 --trials 5 --layouts 1x4,2x2]
 
@@ -134,13 +134,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
-        code, _, err = _launch("1x4", _common(args.steps, args.every) + [f"run.dir={tmp}", "run.name=ref"], {})
-        if code != 0:
-            sys.exit(f"the uninterrupted reference run failed:\n{err}")
         for layout in args.layouts.split(","):
+            # One uninterrupted reference per layout: over several nodes the plan places a unit's owners on
+            # different nodes (masker.nodes), so a 2 x 2 job trains another plan than a 1 x 4 one.
+            code, _, err = _launch(layout, _common(args.steps, args.every) + [f"run.dir={tmp}", f"run.name=ref-{layout}"], {})
+            if code != 0:
+                sys.exit(f"the uninterrupted reference run ({layout}) failed:\n{err}")
             for kill in kills:
                 for survivors in (True, False):
-                    rows.append(trial(layout, kill, survivors, args.steps, args.every, tmp, tmp / "ref"))
+                    rows.append(trial(layout, kill, survivors, args.steps, args.every, tmp, tmp / f"ref-{layout}"))
                     print(json.dumps(rows[-1]), flush=True)
     out = results_dir() / "recovery.json"
     out.parent.mkdir(parents=True, exist_ok=True)
