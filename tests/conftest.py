@@ -47,22 +47,9 @@ _SLOW_TESTS = ("tests/unit/test_planner.py::test_budget_keeps_a_margin_and_ranks
                "tests/plugins/test_conformance.py::test_every_masker_plans_validly_purely_and_stably_below_full_coverage")
 
 
-# Slow tests that do not start processes of their own: under pytest-xdist they may run beside anything.
-_SINGLE_PROCESS = ("tests/unit/test_planner.py::", "tests/plugins/test_conformance.py::")
-
-# Under pytest-xdist (`scripts/test.sh` runs `-n 2 --dist loadgroup`) the tests that spawn process groups,
-# run torchrun, kill ranks, read the process table or `ip netns` share one group, which one worker runs
-# in order: two 4-rank runs at once on 2 cores would only slow each other down and stretch the waits
-# their timeouts measure, and a test that looks for leftover processes would see the other's. The
-# single-process tests run on the other worker meanwhile (on 2 idle cores the quick tier uses one).
-SPAWNING_GROUP = "spawning"
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         nodeid = item.nodeid
         path = nodeid.split("::", 1)[0]
         if path.startswith(_SLOW_DIRS) or path in _SLOW_FILES or nodeid in _SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
-            if not nodeid.startswith(_SINGLE_PROCESS):
-                item.add_marker(pytest.mark.xdist_group(SPAWNING_GROUP))
