@@ -305,26 +305,36 @@ class LocalStepsSynchronizer:
                              "optim.lr, set optim.clip_grad_norm, or set train.on_nonfinite=skip")
 
     # ------------------------------------------------------------------ state, figures
-    def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        """``(key prefix, local parameter name, tensor)`` of the outer state, for checkpoints.
+    def _outer(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The outer state by key prefix and local parameter name (empty before local steps begin)."""
+        out = {"outer_anchor/": self._anchor}
+        return {**out, "outer_momentum/": self._momentum} if self._momentum else out
 
-        Each tensor has its parameter's local shape, so it is cut into pieces and keyed by unit
-        exactly as the parameter is.
-        """
-        out = [("outer_anchor/", n, a) for n, a in self._anchor.items()]
-        return out + [("outer_momentum/", n, m) for n, m in self._momentum.items()]
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state (anchor and momentum, each of its parameter's local shape, so a checkpoint
+        cuts it into pieces and keys it by unit exactly as the parameter) and the inner steps this rank
+        skipped in the cycle so far (inf/NaN), for its checkpoint file. The live tensors."""
+        pieces = {prefix: dict(tensors) for prefix, tensors in self._outer().items() if tensors}
+        return {"pieces": pieces, "rank": {"local_steps_nonfinite": self.nonfinite.clone()}}
 
-    def resume_at(self, step: int) -> None:
-        """Resuming after ``step``: past the warm-up, local steps (with an outer state for the source
-        to fill) from here on; in it, per-step synchronisation until its last step."""
-        if not self.local and step >= self.warmup:
-            self._begin_local()
-
-    def restore_extra(self, found: set[str]) -> None:
-        """Without an anchor from the source (a checkpoint written with per-step synchronisation, or a
-        re-plan from peers), a cycle starts at the loaded parameters; a missing momentum stays zero."""
-        if self.local and "outer_anchor/" not in found:
-            self.restart_cycle()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resuming after ``state["step"]``: past the warm-up, local steps from here on; in it, per-step
+        synchronisation until its last step. Without an anchor (a checkpoint written with per-step
+        synchronisation, or a re-plan from peers) a cycle starts at the loaded parameters; a missing
+        momentum stays zero."""
+        if "step" in state and not self.local and int(state["step"]) >= self.warmup:
+            self._begin_local()  # the anchor of a cycle, at the parameters the source loaded
+        pieces = state.get("pieces") or {}
+        if self.local:
+            if "outer_anchor/" not in pieces:
+                self.restart_cycle()
+            for prefix, live in self._outer().items():
+                for name, t in (pieces.get(prefix) or {}).items():
+                    if name in live:
+                        live[name].copy_(t)
+        saved = (state.get("rank") or {}).get("local_steps_nonfinite")
+        if saved is not None and tuple(saved.shape) == tuple(self.nonfinite.shape):
+            self.nonfinite.copy_(saved)
 
     def restart_cycle(self) -> None:
         """Anchor at the current parameters, zero momentum."""
@@ -333,25 +343,16 @@ class LocalStepsSynchronizer:
         for m in self._momentum.values():
             m.zero_()
 
-    def rank_state(self) -> dict[str, Any]:
-        """The inner steps this rank skipped in the cycle so far (inf/NaN), for its checkpoint file."""
-        return {"local_steps_nonfinite": self.nonfinite.clone()}
-
-    def load_rank_state(self, state: Mapping[str, Any]) -> None:
-        saved = state.get("local_steps_nonfinite")
-        if saved is not None and tuple(saved.shape) == tuple(self.nonfinite.shape):
-            self.nonfinite.copy_(saved)
-
     def log_figures(self) -> dict[str, float]:
         """The last synchronisation's payload over its H-step cycle (nothing before the first)."""
         return {"rank/bytes_sent_per_step_cycle": self.bytes_per_step_cycle()} if self.syncs else {}
 
     def outer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, _, t in self.extra_tensors())
+        return sum(t.numel() * t.element_size() for ts in self._outer().values() for t in ts.values())
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Persistent bucket buffers and the outer state (on the host too), for memory accounting."""
-        return self.buckets.state_tensors() + [t for _, _, t in self.extra_tensors()]
+        return self.buckets.state_tensors() + [t for ts in self._outer().values() for t in ts.values()]
 
     def bytes_per_step(self) -> float:
         """Payload per step averaged over the cycle: one synchronisation's buckets every ``every`` steps

@@ -93,7 +93,7 @@ class PeerPieces:
             # collective: every rank joins the broadcast of each piece that changes hands.
             receive_from_owners(state.partition, LocalIndex(previous.model, previous.pmap), previous.plan,
                                 LocalIndex(state.model, state.pmap), state.plan, comm)
-        state.synchronizer.restore_extra(set())  # its own state starts from the values received
+        state.synchronizer.load_state_dict({"pieces": {}})  # its own state starts from the values received
         return None
 
 
@@ -294,8 +294,9 @@ class TrainState(TrainStateView):
             scales, blind = scalable_branches(ctx.adapter, ctx.spec,
                                               {name: old / new for name, (old, new) in rising.items()})
             # Elementwise: a rank's shards (fsdp.shard_size > 1) and their optimizer state scale as they are.
+            outer = self._sync.state_dict().get("pieces") or {}  # the live tensors: scaled in place
             rescale_branches(self._model, ctx.adapter.branch_output_layers(self._model), scales, self._optimizer,
-                             self._sync.extra_tensors())
+                             [(prefix, name, t) for prefix, ts in outer.items() for name, t in ts.items()])
             line = what + ("; each scaled by old/new rate in its output layer, with its optimizer state, as "
                            "the rescaled union is evaluated (eval.block_union=rescaled)" if scales else "")
             if blind:  # the adapter's branch_output_layers names no layer for them: they stay at x1

@@ -8,6 +8,8 @@
 - :mod:`~subnetdp.sdp.sync.norm`: the global gradient norm and clipping.
 - :mod:`~subnetdp.sdp.sync.guard`: :class:`NonFiniteGuard`, the inf/NaN guard.
 - :mod:`~subnetdp.sdp.sync.factory`: :func:`make_synchronizer`, the one way to make a synchroniser.
+- :mod:`~subnetdp.sdp.sync.legacy`: :func:`stateful`, a synchroniser with the state methods of the
+  protocol before ``state_dict``/``load_state_dict`` (deprecated) seen through the new two.
 
 The package re-exports every name the former ``subnetdp.sdp.sync`` module held, so
 ``from subnetdp.sdp.sync import OwnerGroupAverager`` keeps working; ``subnetdp.sdp.synchronizers``
@@ -24,6 +26,7 @@ from subnetdp.sdp.sync.protocol import EveryStepSync, GradSynchronizer
 from subnetdp.sdp.sync.norm import clip_to, world_norm
 from subnetdp.sdp.sync.averager import OwnerGroupAverager
 from subnetdp.sdp.sync.guard import Checked, NonFiniteGuard
+from subnetdp.sdp.sync.legacy import stateful
 
 _FACTORY = ("ShardedSynchronizer", "make_synchronizer")
 
@@ -39,5 +42,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FLAG_SLOTS", "Bucket", "Checked", "EveryStepSync", "GradSynchronizer", "NonFiniteGuard", "OwnerGroupAverager",
-    "Segment", "ShardedSynchronizer", "SyncSettings", "clip_to", "make_synchronizer", "uses_dense_sync", "world_norm",
+    "Segment", "ShardedSynchronizer", "SyncSettings", "clip_to", "make_synchronizer", "stateful", "uses_dense_sync",
+    "world_norm",
 ]

@@ -17,6 +17,7 @@ from subnetdp.core.contracts import Communicator, ParamMap, Partition
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.local_steps import LocalStepsSynchronizer
 from subnetdp.sdp.sync.averager import OwnerGroupAverager
+from subnetdp.sdp.sync.legacy import stateful
 from subnetdp.sdp.sync.protocol import GradSynchronizer
 from subnetdp.sdp.sync.settings import SyncSettings
 
@@ -40,8 +41,8 @@ def make_synchronizer(settings: SyncSettings, model: nn.Module, pmap: ParamMap, 
     Collective: every rank creates every owner group, in the same order (the communicator keeps
     them, so a second synchroniser over the same owner sets creates none).
     """
-    if sharded is not None:
-        return sharded(settings, model, pmap, plan, partition, comm)
+    if sharded is not None:  # handed in from outside: it may predate state_dict (sdp/sync/legacy.py)
+        return stateful(sharded(settings, model, pmap, plan, partition, comm))
     if settings.mode == "local_steps":  # FSDP is refused for it before any process group exists
         return LocalStepsSynchronizer(model, pmap, plan, partition, comm, settings, last_good=last_good)
     return OwnerGroupAverager(model, pmap, plan, partition, comm, settings.bucket_cap_mb, settings.max_groups)

@@ -15,7 +15,7 @@ class GradSynchronizer(Protocol):
     :meth:`carry` of the inf/NaN flags, :meth:`finish` (collective: owner groups average), then
     :meth:`grad_norm` / :meth:`scale_grads_` for clipping, the optimizer update, and
     :meth:`after_update`. Checkpoints save and restore what it keeps besides the model
-    (:meth:`extra_tensors`, :meth:`rank_state`).
+    (:meth:`state_dict`, :meth:`load_state_dict`).
     """
 
     dense: bool
@@ -69,25 +69,25 @@ class GradSynchronizer(Protocol):
         Returns the stop signals agreed in it (rank -> signal number, ``signum`` this rank's pending
         one, 0 for none), or None when it issued no world reduction."""
 
-    def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        """``(key prefix, local parameter name, tensor)`` of the state it keeps per piece (local steps'
-        anchor and outer momentum), each of its parameter's local shape, so a checkpoint keys it by
-        unit like the parameter. Empty for every-step synchronisers."""
+    def state_dict(self) -> dict[str, Any]:
+        """What it keeps besides the model, for a checkpoint (torch's ``Stateful`` shape):
+        ``{"pieces": {key prefix: {local parameter name: tensor}}, "rank": {key: value}}``.
 
-    def resume_at(self, step: int) -> None:
-        """The run continues after ``step`` (a checkpoint's), called before the pieces are loaded:
-        local steps with ``sync.warmup_steps`` take the phase of that step here (per-step
-        synchronisation before it, local steps and their outer state from it on)."""
+        ``pieces``: state kept per parameter (local steps' ``outer_anchor/`` and ``outer_momentum/``),
+        each tensor of its parameter's local shape, so a checkpoint cuts it and keys it by unit like the
+        parameter; the live tensors, not copies. ``rank``: plain per-rank values (local steps: the
+        cycle's skipped inner steps), written into the rank's state file. Both empty for every-step
+        synchronisers."""
 
-    def restore_extra(self, found: set[str]) -> None:
-        """After the pieces were loaded: ``found`` are the prefixes of :meth:`extra_tensors` the source
-        held; make up for what it lacked (local steps without an anchor restart their cycle here)."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back what :meth:`state_dict` gave, after the model's pieces were loaded.
 
-    def rank_state(self) -> dict[str, Any]:
-        """Per-rank state for the rank's checkpoint file (local steps: the cycle's skipped-step counts)."""
-
-    def load_rank_state(self, state: Mapping[str, Any]) -> None:
-        """Take back what :meth:`rank_state` saved, from a rank's checkpoint file (keys it lacks are skipped)."""
+        ``state["step"]``, when present, is the step the run continues after (a checkpoint's): local
+        steps with ``sync.warmup_steps`` take that step's phase (per-step synchronisation before it,
+        local steps from it on); absent (a re-plan from the live owners), the phase stays. A prefix
+        missing from ``pieces`` is made up for (local steps without an anchor restart their cycle at
+        the loaded parameters; a missing momentum starts at zero); a key missing from ``rank`` is skipped.
+        """
 
     def bytes_per_step(self) -> float:
         """Payload this rank hands to gradient collectives per step (over a cycle with local steps)."""
@@ -121,20 +121,11 @@ class EveryStepSync:
     def after_update(self, step: int, last_step: int, signum: int = 0) -> Optional[dict[int, int]]:
         return None  # the gradients were averaged before the update
 
-    def extra_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        return []
+    def state_dict(self) -> dict[str, Any]:
+        return {"pieces": {}, "rank": {}}  # nothing besides the model
 
-    def resume_at(self, step: int) -> None:
-        return None  # the same synchronisation at every step
-
-    def restore_extra(self, found: set[str]) -> None:
-        return None
-
-    def rank_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_rank_state(self, state: Mapping[str, Any]) -> None:
-        return None
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None  # the same synchronisation at every step, nothing of its own to restore
 
     def log_figures(self) -> dict[str, float]:
         return {}

@@ -207,7 +207,8 @@ class Checkpointer:
                                                 for g in optim["param_groups"]]},
                  "scheduler": state.scheduler.state_dict(),
                  "loader": position[0] if position else self.loader.state_dict(), "rng": position[1] if position else rng_state(),
-                 **state.synchronizer.rank_state()}  # local steps: the inner steps skipped in this cycle so far
+                 # local steps: the inner steps skipped in this cycle so far (top level: the file's format)
+                 **state.synchronizer.state_dict().get("rank", {})}
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
         return out

@@ -75,12 +75,20 @@ def local_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [names[id(p)] for p in optimizer_params(optimizer)]
 
 
+#: What a rank's state file holds of its own (``Checkpointer._write_rank_files``); any other key is
+#: the synchroniser's per-rank state (its ``state_dict()["rank"]``, written at the top level).
+RANK_FILE_KEYS = frozenset({"format", "step", "run_id", "rank", "world_size", "batch_size", "optimizer", "scheduler",
+                            "loader", "rng"})
+
+
+def sync_rank_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """The synchroniser's per-rank values in a rank's state file."""
+    return {k: v for k, v in saved.items() if k not in RANK_FILE_KEYS}
+
+
 def extra_by_prefix(state: "TrainState") -> dict[str, dict[str, torch.Tensor]]:
     """The synchroniser's own per-piece state: key prefix -> local parameter name -> tensor of its local shape."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for prefix, name, t in state.synchronizer.extra_tensors():
-        out.setdefault(prefix, {})[name] = t
-    return out
+    return dict(state.synchronizer.state_dict().get("pieces") or {})
 
 
 def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
@@ -130,19 +138,17 @@ class CheckpointPieces:
         saved = ck.read_state(ck.verify_file(path, state_name, manifest))
         reader = units.PieceReader(path, manifest)
         names = local_names(state.model, state.optimizer)
-        sync = state.synchronizer
-        sync.resume_at(int(manifest["step"]))  # local steps' warm-up: the phase, before its state is loaded
         # collective when sharded: full tensors in, cut back into this rank's shards on exit.
         with torch.no_grad(), state.parallel.gathered(state.model, writeback=True):
             index = LocalIndex(state.model, state.pmap)
-            optim_state, found = units.load_pieces(reader, rank, state.partition, state.plan, index,
-                                                   extra_by_prefix(state), own=own)
+            optim_state, outer = units.load_pieces(reader, rank, state.partition, state.plan, index, own=own)
             units.load_buffers(reader, rank, state.partition, state.plan, index, old_plan, own=own,
                                present=present)
-            # A checkpoint written with per-step synchronisation has no outer state (local steps start a
-            # cycle here), one written with sync.outer_momentum=0 no outer momentum (it starts at zero).
-            sync.restore_extra(found)
-        sync.load_rank_state(saved)
+            # The step gives local steps' phase (sync.warmup_steps). A checkpoint written with per-step
+            # synchronisation has no outer state (local steps start a cycle here), one written with
+            # sync.outer_momentum=0 no outer momentum (it starts at zero).
+            state.synchronizer.load_state_dict({"step": int(manifest["step"]), "pieces": outer,
+                                                "rank": sync_rank_state(saved)})
         where = path / state_name
         load_optimizer(where, saved, state, names, optim_state)
         try:

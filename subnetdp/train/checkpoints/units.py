@@ -220,17 +220,17 @@ class PieceReader:
 
 @torch.no_grad()
 def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
-                extra: dict[str, dict[str, torch.Tensor]],
-                own: bool = False) -> tuple[dict[str, dict[str, torch.Tensor]], set[str]]:
-    """Copy this rank's pieces (values and outer state) into its tensors; returns the optimizer
-    state assembled per local parameter (full local shape) and the outer-state prefixes found.
+                own: bool = False) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+    """Copy this rank's pieces' values into its tensors; returns the optimizer state and the
+    synchroniser's per-piece state (prefix -> local name -> tensor), each assembled per local
+    parameter (full local shape), for the optimizer and the synchroniser to take.
 
     ``own`` (same plan and world size): where every owner wrote its copy, this rank's own; otherwise
     the writer's (the lowest-ranked old owner's)."""
     mine_only = rank if own else None
     state: dict[str, dict[str, torch.Tensor]] = {}
     kinds_of: dict[str, set[str]] = {}
-    found_extra: set[str] = set()
+    extra: dict[str, dict[str, torch.Tensor]] = {}
     for it in global_items(partition, plan):
         if rank not in it.owners:
             continue
@@ -242,10 +242,11 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
         dst = _cut(param, found)
         dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only, dtype=dst.dtype))
         kinds = reader.kinds(key, mine_only)
-        for prefix in kinds["extra"]:
-            if local in extra.get(prefix, {}):
-                found_extra.add(prefix)
-                _cut(extra[prefix][local], found).copy_(reader.get(key, prefix, tuple(dst.shape), mine_only))
+        for prefix in kinds["extra"]:  # a tensor of its parameter's local shape, as the synchroniser keeps it
+            held_extra = extra.setdefault(prefix, {})
+            if local not in held_extra:
+                held_extra[local] = torch.zeros(param.shape, dtype=param.dtype)
+            _cut(held_extra[local], found).copy_(reader.get(key, prefix, tuple(dst.shape), mine_only))
         held = kinds["optim"] | {SCALAR + k for k in kinds["scalar"]}
         if local in kinds_of and kinds_of[local] != held:
             raise CheckpointError(f"{reader.file_of(key, mine_only).path}: piece {key} has optimizer state {sorted(held)}, "
@@ -258,7 +259,7 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
             _cut(mine[k], found).copy_(reader.get(key, f"{OPTIM}{k}/", tuple(dst.shape), mine_only))
         for k in kinds["scalar"]:
             mine.setdefault(k, reader.get(key, f"{SCALAR}{k}/", rank=mine_only))  # the same on every piece of a tensor
-    return {n: s for n, s in state.items() if s}, found_extra
+    return {n: s for n, s in state.items() if s}, extra
 
 
 @torch.no_grad()

@@ -1,0 +1,102 @@
+"""A synchroniser's own state goes through ``state_dict()`` / ``load_state_dict(state)``: local
+steps resumed in the middle of a cycle (and across the warm-up's end) equal a run never stopped,
+and a third-party synchroniser that still defines the old five state methods loads with a
+DeprecationWarning, seen through the new two."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from subnetdp.core.contracts import LaunchEnv
+from subnetdp.sdp.sync import make_synchronizer
+from subnetdp.train.loop import train
+from tests.helpers import plugin_manager, small_config
+
+ONE = LaunchEnv(0, 1, 0, 1, "test")
+LOCAL = ("comm.name=local", "masker.coverage=1", "train.batch_size=2", "data.seq_len=32", "checkpoint.enabled=true",
+         "checkpoint.every=1", "sync.mode=local_steps", "sync.every=2", "sync.warmup_steps=2", "sync.outer_lr=0.7",
+         "sync.outer_momentum=0.9", "optim.name=adamw", "optim.lr=1e-3", "optim.schedule=constant")
+
+
+def _run(root: Path, name: str, *overrides: str):
+    cfg = small_config(*LOCAL, f"run.name={name}", *overrides, recipe="llama_tiny_stdlib", run_dir=root)
+    return train(cfg, ONE, plugin_manager())
+
+
+def test_local_steps_state_round_trips_through_a_checkpoint_mid_cycle(tmp_path):
+    """Warm-up of 2 steps, then H = 2: resumed from the checkpoint after step 3 (local steps, in the
+    middle of a cycle: the anchor of step 2, the momentum of no synchronisation yet) it trains steps
+    4-5 exactly as the run that wrote it: parameters, anchor, momentum and the phase the step gave."""
+    straight = _run(tmp_path, "straight", "train.steps=5", "checkpoint.keep=0")
+    mid = tmp_path / "straight" / "checkpoints" / "step_00000003"
+    resumed = _run(tmp_path, "resumed", "train.steps=5", f"resume={mid}")
+    a, b = straight.state.synchronizer.state_dict(), resumed.state.synchronizer.state_dict()
+    assert set(a) == {"pieces", "rank"} and set(a["pieces"]) == {"outer_anchor/", "outer_momentum/"}
+    params = dict(resumed.state.model.named_parameters())
+    for prefix in a["pieces"]:
+        assert a["pieces"][prefix].keys() == b["pieces"][prefix].keys() and b["pieces"][prefix]
+        for name, t in a["pieces"][prefix].items():
+            assert t.shape == params[name].shape and torch.equal(t, b["pieces"][prefix][name]), (prefix, name)
+    assert torch.equal(a["rank"]["local_steps_nonfinite"], b["rank"]["local_steps_nonfinite"])
+    # Local from the step on (the warm-up ended at 2): it synchronised at 4 and at the last step, 5.
+    assert resumed.state.synchronizer.local and resumed.state.synchronizer.syncs == 2
+    for (name, x), (_, y) in zip(straight.state.model.state_dict().items(), resumed.state.model.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+class OldStyle:
+    """A synchroniser of the protocol before state_dict: only the five old state methods."""
+
+    dense = replicated = owners_diverge = False
+
+    def __init__(self) -> None:
+        self.anchor, self.calls, self.nonfinite = torch.zeros(3), [], 0
+
+    def extra_tensors(self):
+        return [("outer_anchor/", "w", self.anchor)]
+
+    def resume_at(self, step):
+        self.calls.append(("resume_at", step))
+
+    def restore_extra(self, found):
+        self.calls.append(("restore_extra", set(found), self.anchor.tolist()))
+
+    def rank_state(self):
+        return {"skipped": self.nonfinite}
+
+    def load_rank_state(self, state):
+        self.calls.append(("load_rank_state", dict(state)))
+
+
+def test_a_synchroniser_with_the_old_state_methods_loads_with_a_deprecation_warning():
+    old = OldStyle()
+    with pytest.warns(DeprecationWarning, match="OldStyle defines extra_tensors, rank_state"):
+        sync = make_synchronizer(None, None, None, None, None, None, sharded=lambda *a: old)
+    assert sync.state_dict() == {"pieces": {"outer_anchor/": {"w": old.anchor}}, "rank": {"skipped": 0}}
+    assert sync.state_dict()["pieces"]["outer_anchor/"]["w"] is old.anchor  # live, as extra_tensors gave it
+    sync.load_state_dict({"step": 7, "pieces": {"outer_anchor/": {"w": torch.ones(3)}, "other/": {"w": torch.ones(3)}},
+                          "rank": {"skipped": 2}})
+    # The phase before the pieces, the pieces before restore_extra, as a checkpoint loaded them.
+    assert old.calls == [("resume_at", 7), ("restore_extra", {"outer_anchor/"}, [1.0, 1.0, 1.0]),
+                         ("load_rank_state", {"skipped": 2})]
+    sync.load_state_dict({"pieces": {}})  # a re-plan from the live owners: no step, nothing found
+    assert old.calls[-2:] == [("restore_extra", set(), [1.0, 1.0, 1.0]), ("load_rank_state", {})]
+    sync.nonfinite = 5  # every other attribute is the synchroniser's own
+    assert old.nonfinite == 5 and sync.dense is False and sync.inner is old
+
+
+def test_a_synchroniser_with_state_dict_is_used_as_it_is():
+    class New(OldStyle):
+        def state_dict(self):
+            return {"pieces": {}, "rank": {}}
+
+        def load_state_dict(self, state):
+            return None
+
+    new = New()
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        assert make_synchronizer(None, None, None, None, None, None, sharded=lambda *a: new) is new
