@@ -39,6 +39,7 @@ from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.variants import regime_of
 from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
+from subnetdp.train.stateful import OptimizerUnits, Stateful
 from subnetdp.train.step import StepContext, StepProgress, StepResult, train_step
 
 
@@ -235,6 +236,13 @@ class TrainState(TrainStateView):
         due there, else None. The same on every rank."""
         r = self._resampler
         return r.plan_at(step) if r is not None and r.due(step) else None
+
+    def stateful(self) -> dict[str, Stateful]:
+        """What a checkpoint holds of this state, one Stateful per component (:mod:`subnetdp.train.stateful`):
+        the optimizer (per parameter), the schedule and the synchroniser, as they are now (a re-plan
+        rebuilds them, so the checkpointer asks at the time and keeps none)."""
+        return {"optimizer": OptimizerUnits(self._model, self._optimizer, self._parallel),
+                "scheduler": self._scheduler, "sync": self._sync}
 
     def lasting_tensors(self) -> list[torch.Tensor]:
         """What lives across steps (parameters, buffers, gradients, optimizer and synchroniser state):

@@ -45,7 +45,8 @@ from subnetdp.train import faults
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import lineage, survivors, units
 from subnetdp.train.checkpoints.unlogged import Carried, Unlogged, carried
-from subnetdp.train.checkpoints.source import CheckpointPieces, extra_by_prefix, local_names, rng_state
+from subnetdp.train.checkpoints.source import (RANK_FILE_KEYS, CheckpointPieces, checkpoint_states, local_names,
+                                               rng_state)
 
 if TYPE_CHECKING:
     from subnetdp.train.state import TrainState
@@ -123,6 +124,16 @@ class Checkpointer:
         """The local name of every optimizer parameter, in the optimizer's order (outside gathered())."""
         return local_names(self.state.model, self.state.optimizer)
 
+    def _state_dicts(self, position: tuple[Any, Any] | None = None) -> dict[str, dict[str, Any]]:
+        """Every component's ``state_dict()`` (:func:`~subnetdp.train.checkpoints.source.checkpoint_states`),
+        the loader's and RNGs' ``position`` instead when given (a survivor's, of the last finished step).
+        Collective when sharded: the optimizer's state is gathered over each shard group (outside gathered())."""
+        out = {name: component.state_dict() for name, component in checkpoint_states(self.state, self.loader).items()
+               if not (position and name in ("loader", "rng"))}
+        if position:
+            out["loader"], out["rng"] = position
+        return out
+
     # ------------------------------------------------------------------ saving
     def after_step(self, step: int) -> None:
         """Save when ``checkpoint.every`` divides ``step`` and after the last step. Collective then."""
@@ -143,17 +154,15 @@ class Checkpointer:
                 ck.remove_checkpoint(tmp)
             tmp.mkdir(parents=True)
         comm.barrier()  # collective: the temporary directory exists before anyone writes into it
-        names = self._local_names()
         # collective when sharded: the optimizer state of each parameter is gathered over its shard group.
-        full_state = state.parallel.optimizer_state_full(state.optimizer)
-        optim_state = dict(zip(names, full_state))
+        states = self._state_dicts()
         with state.parallel.gathered(state.model):  # collective when sharded: each rank writes from its replica's full tensors
             index = LocalIndex(state.model, state.pmap)
-            pieces = units.pieces_to_write(self.rank, partition, plan, index, extra_by_prefix(state), optim_state,
-                                           per_owner=sync.owners_diverge)
+            pieces = units.pieces_to_write(self.rank, partition, plan, index, states["sync"]["pieces"],
+                                           states["optimizer"]["params"], per_owner=sync.owners_diverge)
             buffers = units.buffers_to_write(self.rank, partition, plan, index)
-            files = self._write_rank_files(tmp, step, pieces, buffers)
-        del full_state, optim_state, pieces
+            files = self._write_rank_files(tmp, step, pieces, buffers, states)
+        del states, pieces
         # collective: every rank's files are on disk (fsynced) before the manifest names them.
         everyone = comm.all_gather_object(files)
         if self.rank == 0:
@@ -186,7 +195,7 @@ class Checkpointer:
                 "reference": ctx.adapter.reference_options(spec)}
 
     def _write_rank_files(self, tmp: Path, step: int, pieces: dict[str, torch.Tensor],
-                          buffers: dict[str, torch.Tensor], position: tuple[Any, Any] | None = None) -> dict[str, Any]:
+                          buffers: dict[str, torch.Tensor], states: dict[str, dict[str, Any]]) -> dict[str, Any]:
         state = self.state
         meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step),
                 "world_size": str(self.comm.world_size), "plan_digest": state.plan.digest()}
@@ -198,17 +207,9 @@ class Checkpointer:
         st_name, state_name = ck.rank_files(self.rank)
         out[st_name] = ck.write_atomic(tmp / st_name, lambda p: ck.save_safetensors(
             p, buffers, {**meta, "rank": str(self.rank)}))
-        optimizer = state.optimizer
-        optim = optimizer.state_dict()
         saved = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
                  "world_size": self.comm.world_size, "batch_size": int(self.cfg.train.batch_size),
-                 "optimizer": {"class": type(optimizer).__name__,
-                               "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                for g in optim["param_groups"]]},
-                 "scheduler": state.scheduler.state_dict(),
-                 "loader": position[0] if position else self.loader.state_dict(), "rng": position[1] if position else rng_state(),
-                 # local steps: the inner steps skipped in this cycle so far (top level: the file's format)
-                 **state.synchronizer.state_dict().get("rank", {})}
+                 **rank_file_entries(states)}
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
         return out
@@ -291,16 +292,16 @@ class Checkpointer:
                 if name in snapshot:
                     b.copy_(snapshot[name])
         tmp = survivors.fragment_tmp(ctx.run_dir, step, self.rank)
-        optim_state = dict(zip(self._local_names(), state.parallel.optimizer_state_full(state.optimizer)))
+        states = self._state_dicts(position)
         index = LocalIndex(model, state.pmap)
         # Not the pieces it writes in a regular checkpoint: their writer may be the dead rank.
         held = {units.item_key(it) for it in global_items(partition, plan) if self.rank in it.owners
                 and (sync.owners_diverge or not lost or self.rank == min(set(it.owners) - lost))}
-        pieces = units.pieces_to_write(self.rank, partition, plan, index, extra_by_prefix(state), optim_state,
-                                       per_owner=True)
+        pieces = units.pieces_to_write(self.rank, partition, plan, index, states["sync"]["pieces"],
+                                       states["optimizer"]["params"], per_owner=True)
         pieces = {k: v for k, v in pieces.items() if k.split("/", 1)[-1] in held}
         buffers = units.buffers_to_write(self.rank, partition, plan, index)
-        files = self._write_rank_files(tmp, step, pieces, buffers, position)
+        files = self._write_rank_files(tmp, step, pieces, buffers, states)
         files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
         files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))
         return survivors.write_fragment(ctx.run_dir, self._header(step), self.rank, files, sorted(held),
@@ -418,6 +419,20 @@ class Checkpointer:
                 return path
             print(f"subnetdp: not resuming from {path}: {problem}", flush=True)
         return None
+
+
+def rank_file_entries(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a rank's state file holds of the components' state dicts (the per-parameter state goes to
+    the pieces), in the file's format since format 1: the optimizer's class and groups, the schedule,
+    loader and RNGs under their names, and the synchroniser's per-rank values at the top level (local
+    steps: ``local_steps_nonfinite``, the inner steps skipped in this cycle so far)."""
+    optim = states["optimizer"]
+    sync = dict(states["sync"].get("rank") or {})
+    clash = RANK_FILE_KEYS & set(sync)
+    if clash:  # it would overwrite what the file holds of its own
+        raise CheckpointError(f"the synchroniser's state_dict()['rank'] uses the reserved key(s) {sorted(clash)}")
+    return {"optimizer": {"class": optim["class"], "param_groups": optim["param_groups"]},
+            "scheduler": states["scheduler"], "loader": states["loader"], "rng": states["rng"], **sync}
 
 
 def _set_aside_lines(frags: list[survivors.Fragment], current: dict[str, Any] | None, lacking: dict[int, str],

@@ -10,11 +10,9 @@ parameter names, the checkpoint's plan).
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,53 +24,12 @@ from subnetdp.sdp.keep_rates import forward_keep_rates
 from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import units
+# The host RNGs and the optimizer's names moved to train/stateful.py; their old home keeps them.
+from subnetdp.train.stateful import (HostRng, Stateful, local_names, optimizer_params, reseed, rng_state,  # noqa: F401
+                                     seed_host_rngs, set_rng_state)
 
 if TYPE_CHECKING:
     from subnetdp.train.state import Holding, TrainState
-
-
-def rng_state() -> dict[str, Any]:
-    """torch (CPU and CUDA), numpy and Python RNG states, as tensors and ints."""
-    _, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64),
-             "python_gauss": gauss, "numpy": torch.from_numpy(keys.astype(np.int64)), "numpy_pos": int(pos),
-             "numpy_gauss": [int(has_gauss), float(cached)]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(int(x) for x in state["python"].tolist()), state["python_gauss"]))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"],
-                         state["numpy_gauss"][0], state["numpy_gauss"][1]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
-
-
-def seed_host_rngs(seed: int) -> None:
-    """Python's and numpy's global random states from ``seed`` (saved in checkpoints, so they must agree
-    between two runs of the same seed)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
-
-def reseed(seed: int) -> None:
-    """Host RNGs of a rank whose old stream has no counterpart (a resume on another world size)."""
-    seed_host_rngs(seed)
-    torch.manual_seed(seed)
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def local_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The local name of every optimizer parameter, in the optimizer's order (outside ``gathered()``)."""
-    names = {id(t): n for n, t in model.named_parameters()}
-    return [names[id(p)] for p in optimizer_params(optimizer)]
 
 
 #: What a rank's state file holds of its own (``Checkpointer._write_rank_files``); any other key is
@@ -84,6 +41,13 @@ RANK_FILE_KEYS = frozenset({"format", "step", "run_id", "rank", "world_size", "b
 def sync_rank_state(saved: dict[str, Any]) -> dict[str, Any]:
     """The synchroniser's per-rank values in a rank's state file."""
     return {k: v for k, v in saved.items() if k not in RANK_FILE_KEYS}
+
+
+def checkpoint_states(state: "TrainState", loader: ResumableLoader) -> dict[str, Stateful]:
+    """What a checkpoint holds, one Stateful per component (:mod:`subnetdp.train.stateful`): the
+    training state's (optimizer, schedule, synchroniser; rebuilt by a re-plan, so asked at the time),
+    the loader's position and the host RNGs."""
+    return {**state.stateful(), "loader": loader, "rng": HostRng()}
 
 
 def extra_by_prefix(state: "TrainState") -> dict[str, dict[str, torch.Tensor]]:
@@ -137,7 +101,7 @@ class CheckpointPieces:
         state_name = ck.rank_files(rank if old_world == world and rank not in absent else present[0])[1]
         saved = ck.read_state(ck.verify_file(path, state_name, manifest))
         reader = units.PieceReader(path, manifest)
-        names = local_names(state.model, state.optimizer)
+        states = checkpoint_states(state, self.loader)
         # collective when sharded: full tensors in, cut back into this rank's shards on exit.
         with torch.no_grad(), state.parallel.gathered(state.model, writeback=True):
             index = LocalIndex(state.model, state.pmap)
@@ -147,24 +111,27 @@ class CheckpointPieces:
             # The step gives local steps' phase (sync.warmup_steps). A checkpoint written with per-step
             # synchronisation has no outer state (local steps start a cycle here), one written with
             # sync.outer_momentum=0 no outer momentum (it starts at zero).
-            state.synchronizer.load_state_dict({"step": int(manifest["step"]), "pieces": outer,
-                                                "rank": sync_rank_state(saved)})
+            states["sync"].load_state_dict({"step": int(manifest["step"]), "pieces": outer,
+                                            "rank": sync_rank_state(saved)})
         where = path / state_name
-        load_optimizer(where, saved, state, names, optim_state)
         try:
-            state.scheduler.load_state_dict(saved["scheduler"])
             batch = int(ctx.cfg.train.batch_size)
             if old_world == world and int(saved.get("batch_size", batch)) == batch:
-                self.loader.load_state_dict(saved["loader"])  # every rank of one world is at the same position
-                if rank in absent:  # a dead rank's own streams died with it
-                    reseed(int(ctx.cfg.seed) + int(manifest["step"]) + rank)
-                else:
-                    set_rng_state(saved["rng"])
+                position = saved["loader"]  # every rank of one world is at the same position
+                # A dead rank's own streams died with it.
+                rng = {"seed": int(ctx.cfg.seed) + int(manifest["step"]) + rank} if rank in absent else saved["rng"]
             else:
-                self.loader.load_state_dict(units.carry_position(
-                    saved["loader"], (old_world, int(saved.get("batch_size", batch))), (world, batch),
-                    self.loader.batches_per_epoch))
-                reseed(int(ctx.cfg.seed) + int(manifest["step"]))
+                position = units.carry_position(saved["loader"], (old_world, int(saved.get("batch_size", batch))),
+                                                (world, batch), self.loader.batches_per_epoch)
+                rng = {"seed": int(ctx.cfg.seed) + int(manifest["step"])}
+            optim = saved.get("optimizer")
+            found = {"optimizer": {**optim, "params": optim_state} if isinstance(optim, dict) else {"class": None},
+                     "scheduler": saved["scheduler"], "loader": position, "rng": rng}
+            for name, component in states.items():
+                if name in found:  # the synchroniser took its own above, with the pieces
+                    component.load_state_dict(found[name])
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"{where}: its state does not fit this run ({e})") from None
         self.replanned = not same_plan
@@ -181,28 +148,6 @@ def trained_masker(path: Path, manifest: dict[str, Any], masker: Any) -> Any:
     stored = load_stored(ck.verify_file(path, "config.yaml", manifest))
     found = stored.get("masker")
     return found if isinstance(found, DictConfig) and "regime" in found else masker
-
-
-def load_optimizer(where: Path, saved: dict[str, Any], state: "TrainState", names: list[str],
-                   optim_state: dict[str, dict[str, torch.Tensor]]) -> None:
-    """The optimizer's state from a rank's state file and the pieces' optimizer tensors."""
-    optimizer = state.optimizer
-    found = saved.get("optimizer")
-    if not isinstance(found, dict) or found.get("class") != type(optimizer).__name__:
-        kind = found.get("class") if isinstance(found, dict) else None
-        raise CheckpointError(f"{where}: optimizer {kind}, this run uses {type(optimizer).__name__}: "
-                              "use the same optim.name or start a new run")
-    groups = found["param_groups"]
-    mine = optimizer.state_dict()["param_groups"]
-    if len(groups) != len(mine):
-        raise CheckpointError(f"{where}: {len(groups)} optimizer parameter groups, this run has {len(mine)}")
-    sd = {"state": {i: optim_state[n] for i, n in enumerate(names) if n in optim_state},
-          "param_groups": [{**g, "params": m["params"]} for g, m in zip(groups, mine)]}
-    try:
-        optimizer.load_state_dict(sd)
-        state.parallel.optimizer_state_from_full(optimizer)
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"{where}: its optimizer state does not fit this run ({e})") from None
 
 
 def check_compatible(path: Path, manifest: dict[str, Any], state: "TrainState") -> None:

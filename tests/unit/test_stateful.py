@@ -1,18 +1,22 @@
-"""A synchroniser's own state goes through ``state_dict()`` / ``load_state_dict(state)``: local
-steps resumed in the middle of a cycle (and across the warm-up's end) equal a run never stopped,
-and a third-party synchroniser that still defines the old five state methods loads with a
+"""What a checkpoint holds goes through each component's ``state_dict()`` / ``load_state_dict(state)``:
+local steps resumed in the middle of a cycle (and across the warm-up's end) equal a run never
+stopped, the optimizer's state is keyed by parameter name, the host RNGs restore their streams, and
+a third-party synchroniser that still defines the old five state methods loads with a
 DeprecationWarning, seen through the new two."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.train.loop import train
+from subnetdp.train.stateful import HostRng, OptimizerUnits
 from tests.helpers import plugin_manager, small_config
 
 ONE = LaunchEnv(0, 1, 0, 1, "test")
@@ -45,6 +49,35 @@ def test_local_steps_state_round_trips_through_a_checkpoint_mid_cycle(tmp_path):
     assert resumed.state.synchronizer.local and resumed.state.synchronizer.syncs == 2
     for (name, x), (_, y) in zip(straight.state.model.state_dict().items(), resumed.state.model.state_dict().items()):
         assert torch.equal(x, y), name
+    # The optimizer, per parameter name: equal after the resume, and taken back by name by an
+    # optimizer whose parameters come in another order.
+    states = resumed.state.stateful()
+    assert set(states) == {"optimizer", "scheduler", "sync"} and states["sync"] is resumed.state.synchronizer
+    got, want = states["optimizer"].state_dict(), straight.state.stateful()["optimizer"].state_dict()
+    assert got["class"] == "AdamW" and set(got["params"]) == set(params) and len(got["param_groups"]) == 1
+    for name, per in want["params"].items():
+        assert per.keys() == got["params"][name].keys() and all(torch.equal(per[k], got["params"][name][k]) for k in per)
+    backwards = torch.optim.AdamW(list(reversed(list(params.values()))), lr=1e-3)
+    OptimizerUnits(resumed.state.model, backwards, resumed.state.parallel).load_state_dict(got)
+    for name, p in params.items():
+        assert torch.equal(backwards.state[p]["exp_avg"], got["params"][name]["exp_avg"]), name
+    assert states["scheduler"].state_dict() == straight.state.scheduler.state_dict()
+
+
+def test_host_rngs_restore_their_streams_or_start_from_a_seed():
+    rng = HostRng()
+
+    def draw():
+        return torch.rand(3).tolist(), random.random(), np.random.rand()
+
+    saved = rng.state_dict()
+    first = draw()
+    rng.load_state_dict(saved)
+    assert draw() == first
+    rng.load_state_dict({"seed": 5})
+    seeded = draw()
+    rng.load_state_dict({"seed": 5})
+    assert draw() == seeded != first
 
 
 class OldStyle:
