@@ -8,8 +8,11 @@ The loop uses one :class:`Checkpointer`::
         ...the training step...
         ckpt.after_step(step)          # collective on save steps (checkpoint.every, the last step)
 
-It holds no model: what it saves (model, plan, optimizer, schedule, the synchroniser's own state)
-is read from the training state at the time, so a re-planned state needs nothing patched here.
+It holds no model: what it saves is read from the training state at the time, so a re-planned
+state needs nothing patched here: the model's pieces under the plan, and a mapping of Stateful
+components (:func:`~subnetdp.train.checkpoints.source.checkpoint_states`: optimizer, schedule,
+synchroniser, loader, host RNGs), each asked for its ``state_dict()`` and handed it back on a resume,
+as torchtitan's ``CheckpointManager(states={...})`` does.
 Resuming is a re-plan of the state from the checkpoint
 (:class:`~subnetdp.train.checkpoints.source.CheckpointPieces`).
 
