@@ -4,8 +4,8 @@ Resuming is ``state.replan(plan, CheckpointPieces(path, loader))`` (:meth:`subne
 each rank loads exactly the pieces it holds under its plan (the checkpoint's plan or a new one: pieces
 are keyed by unit), their optimizer state, the schedule, the synchroniser's own state, the data
 position and the RNG states. On the checkpoint's plan and world size this is bit-identical to a run
-that was never interrupted. Also here: what saving and loading share (RNG states, the optimizer's
-parameter names, the checkpoint's plan).
+that was never interrupted. Also here: what saving and loading share (the mapping of Stateful
+components a checkpoint holds, the keys a rank's state file keeps for itself, the checkpoint's plan).
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ def checkpoint_states(state: "TrainState", loader: ResumableLoader) -> dict[str,
     training state's (optimizer, schedule, synchroniser; rebuilt by a re-plan, so asked at the time),
     the loader's position and the host RNGs."""
     return {**state.stateful(), "loader": loader, "rng": HostRng()}
-
-
-def extra_by_prefix(state: "TrainState") -> dict[str, dict[str, torch.Tensor]]:
-    """The synchroniser's own per-piece state: key prefix -> local parameter name -> tensor of its local shape."""
-    return dict(state.synchronizer.state_dict().get("pieces") or {})
 
 
 def read_plan(path: Path, manifest: dict[str, Any]) -> MaskPlan:
