@@ -58,6 +58,7 @@ from subnetdp.core.contracts import Communicator, ParamMap, Partition
 from subnetdp.core.errors import ConfigError, NonFiniteError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.sync.averager import OwnerGroupAverager
+from subnetdp.sdp.sync.legacy import OldStateMethods
 from subnetdp.sdp.sync.settings import FLAG_SLOTS, SyncSettings
 
 
@@ -95,7 +96,7 @@ def check_config(cfg: Any) -> None:
                           f"use eval.every={every * -(-int(cfg.eval.every) // every)} (0: only at the end)")
 
 
-class LocalStepsSynchronizer:
+class LocalStepsSynchronizer(OldStateMethods):
     """Owner-group averaging of parameter deltas every ``every`` steps, with an outer Nesterov SGD.
 
     Between synchronisations it stands in for the per-step synchroniser in the loop (``prepare``,

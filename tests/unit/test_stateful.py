@@ -62,6 +62,18 @@ def test_local_steps_state_round_trips_through_a_checkpoint_mid_cycle(tmp_path):
     for name, p in params.items():
         assert torch.equal(backwards.state[p]["exp_avg"], got["params"][name]["exp_avg"]), name
     assert states["scheduler"].state_dict() == straight.state.scheduler.state_dict()
+    # The old state methods still answer on the built-in synchronisers, with a DeprecationWarning.
+    sync = resumed.state.synchronizer
+    with pytest.warns(DeprecationWarning, match="extra_tensors.* use state_dict"):
+        old = sync.extra_tensors()
+    assert {(p, n) for p, n, _ in old} == {(p, n) for p in b["pieces"] for n in b["pieces"][p]}
+    with pytest.warns(DeprecationWarning, match="rank_state"):
+        assert set(sync.rank_state()) == {"local_steps_nonfinite"}
+    with pytest.warns(DeprecationWarning, match="restore_extra"):
+        sync.restore_extra({"outer_momentum/"})  # no anchor found: a cycle starts at the parameters, momentum zero
+    now = sync.state_dict()["pieces"]
+    assert all(torch.equal(now["outer_anchor/"][n], params[n].detach()) for n in now["outer_anchor/"])
+    assert all(not m.any() for m in now["outer_momentum/"].values())
 
 
 def test_host_rngs_restore_their_streams_or_start_from_a_seed():

@@ -65,3 +65,39 @@ class LegacyState:
                     found.add(prefix)
         inner.restore_extra(found)
         inner.load_rank_state(dict(state.get("rank", {})))
+
+
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(f"GradSynchronizer.{name} is deprecated and goes in the next release: use {instead}",
+                  DeprecationWarning, stacklevel=3)
+
+
+class OldStateMethods:
+    """The five old state methods on a synchroniser that has ``state_dict``/``load_state_dict``, for
+    callers written before them (one release, each with a DeprecationWarning): each is said in
+    terms of the new two, in the order a checkpoint used them (``resume_at``, the per-piece tensors
+    filled in place, ``restore_extra``, ``load_rank_state``)."""
+
+    def extra_tensors(self) -> list[tuple[str, str, Any]]:
+        _deprecated("extra_tensors()", "state_dict()['pieces']")
+        pieces = self.state_dict().get("pieces") or {}  # type: ignore[attr-defined]
+        return [(prefix, name, t) for prefix, tensors in pieces.items() for name, t in tensors.items()]
+
+    def resume_at(self, step: int) -> None:
+        _deprecated("resume_at(step)", "load_state_dict({'step': step, ...})")
+        # The live per-piece state handed back as it is: only the phase of ``step`` changes.
+        self.load_state_dict({"step": step, "pieces": self.state_dict().get("pieces") or {}})  # type: ignore[attr-defined]
+
+    def restore_extra(self, found: set[str]) -> None:
+        _deprecated("restore_extra(found)", "load_state_dict({'pieces': ...})")
+        pieces = self.state_dict().get("pieces") or {}  # type: ignore[attr-defined]
+        self.load_state_dict({"pieces": {p: t for p, t in pieces.items() if p in found}})  # type: ignore[attr-defined]
+
+    def rank_state(self) -> dict[str, Any]:
+        _deprecated("rank_state()", "state_dict()['rank']")
+        return dict(self.state_dict().get("rank") or {})  # type: ignore[attr-defined]
+
+    def load_rank_state(self, state: Mapping[str, Any]) -> None:
+        _deprecated("load_rank_state(state)", "load_state_dict({'rank': state, ...})")
+        pieces = self.state_dict().get("pieces") or {}  # type: ignore[attr-defined]
+        self.load_state_dict({"pieces": pieces, "rank": dict(state)})  # type: ignore[attr-defined]

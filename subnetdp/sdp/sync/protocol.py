@@ -7,6 +7,8 @@ from typing import Any, ContextManager, Mapping, Optional, Protocol
 
 import torch
 
+from subnetdp.sdp.sync.legacy import OldStateMethods
+
 class GradSynchronizer(Protocol):
     """What the step, the loop and the checkpointer ask of a synchroniser (:class:`OwnerGroupAverager`,
     FSDP's ``ShardedOwnerAverager``, :class:`~subnetdp.sdp.local_steps.LocalStepsSynchronizer`).
@@ -108,9 +110,10 @@ class GradSynchronizer(Protocol):
         """This synchroniser's fields of the summary (per rank): ``sync_mode`` and its figures."""
 
 
-class EveryStepSync:
+class EveryStepSync(OldStateMethods):
     """What the synchronisers that average every step (:class:`OwnerGroupAverager`, FSDP's
-    ``ShardedOwnerAverager``) answer alike: no state besides the model, nothing after an update."""
+    ``ShardedOwnerAverager``) answer alike: no state besides the model, nothing after an update
+    (and, for one release, the old state methods: :class:`~subnetdp.sdp.sync.legacy.OldStateMethods`)."""
 
     owners_diverge = False  # every owner holds the same averaged values after every step
     checks_locally = False  # every step's flags reach the world (carried, or in the guard's reduction)
