@@ -37,7 +37,8 @@ def supervise(store: Any, workers: Mapping[int, Any], timeout_s: float, poll_s: 
     """Watch ``workers`` (rank -> process) until all ended or ``timeout_s``; return their exit codes.
 
     A worker that ends with a non-zero code is marked dead in the store at once and nobody else is
-    touched: the survivors re-form among themselves. Workers still running at the timeout are left
+    touched: the survivors re-form among themselves. A running worker the survivors marked (left out
+    of their agreement: it stalled) is killed. Workers still running at the timeout are left
     to the caller (it decides whether to kill them).
     """
     marked: set[int] = set()
@@ -47,6 +48,11 @@ def supervise(store: Any, workers: Mapping[int, Any], timeout_s: float, poll_s: 
         for r, code in codes.items():
             if code not in (None, 0) and r not in marked:
                 store.set(f"{DEAD_KEY}/{r}", f"exit {code}")
+                marked.add(r)
+            elif code is None and r not in marked and store.check([f"{DEAD_KEY}/{r}"]):
+                # The survivors went on without it (it stalled past the agreement): stop it for good,
+                # so it cannot write into their run or hold the job open.
+                workers[r].kill()
                 marked.add(r)
         if all(c is not None for c in codes.values()):
             return codes

@@ -72,13 +72,17 @@ def test_survivors_go_on_in_process_and_train_what_a_restart_on_them_trains(tmp_
     assert not differ, differ[:5]  # values, optimizer state (AdamW's moments and step) and buffers
 
 
-def test_a_unit_left_with_one_owner_gains_one_over_the_network_and_owners_agree(tmp_path):
-    # masker.min_owners=2: the units rank 1 held with one other rank gain a new owner, which receives their
-    # values and optimizer state from the surviving owner; the owners compare digests after every step.
+def test_a_stalled_worker_is_left_out_and_its_units_gain_an_owner_over_the_network(tmp_path):
+    # Rank 1 is SIGSTOPped after step 3: the survivors time out (comm.timeout_s), agree without it, and the
+    # supervisor kills it (else the job would wait for it forever). masker.min_owners=2: the units rank 1
+    # held with one other rank gain a new owner, which receives their values and optimizer state from the
+    # surviving owner; the owners compare digests after every step (a wrong heal stops the run).
     proc = _run(tmp_path, "heal", "masker.min_owners=2", "recovery.verify_every=1", "launch.nproc=4",
-                "launch.on_failure=continue", env={faults.KILL_AT_STEP: "3"})
+                "launch.on_failure=continue", "comm.timeout_s=8",
+                env={faults.KILL_AT_STEP: "3", faults.KILL_SIGNAL: "STOP"})
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-3000:]
+    assert "rank 1 stopped answering" in console, console[-3000:]
     line = next(x for x in console.splitlines() if "go on in-process from step 3" in x)
     gained = int(line.split(": ", 2)[-1].split(" piece(s) gained")[0].split()[-1])
     assert gained > 0, line
