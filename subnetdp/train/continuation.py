@@ -233,8 +233,10 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
     seconds = time.monotonic() - start
     if m.rank == 0:
         print(f"subnetdp: {lost}; the {m.world_size} survivors (old ranks {list(m.members)}) go on in-process "
-              f"from step {last}: {source.gained} piece(s) gained an owner over the network, "
-              f"re-formed in {seconds:.2f} s", flush=True)
+              f"from step {last}: {source.gained} piece(s) gained an owner over the network "
+              f"({comm.bytes.total('heal') / 2**20:.2f} MiB of values, optimizer state and buffers broadcast), "
+              f"re-formed in {seconds:.2f} s",
+              flush=True)
     return Continued(new_ctx, last, dict(position), old_world, m.members, seconds, source.gained)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,19 +74,19 @@ def test_survivors_go_on_in_process_and_train_what_a_restart_on_them_trains(tmp_
 
 
 def test_a_stalled_worker_is_left_out_and_its_units_gain_an_owner_over_the_network(tmp_path):
-    # Rank 1 is SIGSTOPped after step 3: the survivors time out (comm.timeout_s), agree without it, and the
+    # Rank 1 is SIGSTOPped right after its update of step 3: the survivors finish step 3 (its last world
+    # collective is behind them), time out in step 4 (comm.timeout_s), agree without it, and the
     # supervisor kills it (else the job would wait for it forever). masker.min_owners=2: the units rank 1
     # held with one other rank gain a new owner, which receives their values and optimizer state from the
     # surviving owner; the owners compare digests after every step (a wrong heal stops the run).
     proc = _run(tmp_path, "heal", "masker.min_owners=2", "recovery.verify_every=1", "launch.nproc=4",
                 "launch.on_failure=continue", "comm.timeout_s=8",
-                env={faults.KILL_AT_STEP: "3", faults.KILL_SIGNAL: "STOP"})
+                env={faults.KILL_IN_UPDATE: "3", faults.KILL_SIGNAL: "STOP"})
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-3000:]
     assert "rank 1 stopped answering" in console, console[-3000:]
-    line = next(x for x in console.splitlines() if "go on in-process from step 3" in x)
-    gained = int(line.split(": ", 2)[-1].split(" piece(s) gained")[0].split()[-1])
-    assert gained > 0, line
+    went = re.search(r"go on in-process from step 3: (\d+) piece\(s\) gained an owner over the network \(([\d.]+) MiB", console)
+    assert went and int(went.group(1)) > 0 and float(went.group(2)) > 0, console[-3000:]
     assert "owners disagree" not in console, console[-3000:]  # every step's digests agreed, after the heal too
     assert _steps(tmp_path / "heal")[-1] == 6
 
