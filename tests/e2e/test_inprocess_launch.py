@@ -84,7 +84,9 @@ def test_a_stalled_worker_is_left_out_and_its_units_gain_an_owner_over_the_netwo
                 env={faults.KILL_IN_UPDATE: "3", faults.KILL_SIGNAL: "STOP"})
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-3000:]
-    assert "rank 1 stopped answering" in console, console[-3000:]
+    # The timeout names who did not check in within its grace (rank 1, and perhaps a slow survivor); the
+    # agreement decides who goes on.
+    assert "stopped answering" in console and "old ranks [0, 2, 3]" in console, console[-3000:]
     went = re.search(r"go on in-process from step 3: (\d+) piece\(s\) gained an owner over the network \(([\d.]+) MiB", console)
     assert went and int(went.group(1)) > 0 and float(went.group(2)) > 0, console[-3000:]
     assert "owners disagree" not in console, console[-3000:]  # every step's digests agreed, after the heal too
