@@ -11,7 +11,7 @@ import time
 from functools import partial
 from typing import Sequence
 
-from subnetdp.core.errors import PeerLost, SubnetdpError
+from subnetdp.core.errors import ConfigError, PeerLost, SubnetdpError
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train import runlock, upfront
 from subnetdp.train.configure import load_config
@@ -87,6 +87,12 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     upfront.check_launcher(cfg, pm.registries, "local", nproc)
     # Fail on a bad plan or machine here, before any worker or process group exists.
     preflight(cfg, nproc, pm)
+    continuing = str(cfg.launch.on_failure) == "continue"
+    if continuing and (int(cfg.launch.max_restarts) or str(cfg.comm.name) != "gloo"):
+        raise ConfigError("launch.on_failure", "continue",
+                          f"restarts nobody and re-forms gloo groups, but launch.max_restarts="
+                          f"{int(cfg.launch.max_restarts)} and comm.name={cfg.comm.name}",
+                          "set launch.max_restarts=0 and comm.name=gloo, or launch.on_failure=restart")
     given = bool(cfg.run.name)
     name = _name_run(cfg, nproc)
     argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
@@ -94,6 +100,12 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     # on this run directory stops at this line however soon after this one it was started.
     with _claim(cfg, hold=True):
         record_invocation()  # the workers' resume commands name the program as it was started here
+        if continuing:
+            from subnetdp.launchers.supervisor import launch_supervised
+
+            print(f"starting {nproc} local workers (subnetdp supervisor: a dead worker is not restarted, "
+                  "the others go on)", flush=True)
+            return launch_supervised(nproc, argv, timeout_s=float(cfg.comm.timeout_s))
         restarts = int(cfg.launch.max_restarts)
         again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)

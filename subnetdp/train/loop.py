@@ -18,7 +18,8 @@ from subnetdp.core.errors import PeerLost
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
 from subnetdp.train.checkpoints.checkpointer import Checkpointer
-from subnetdp.train.checkpoints.source import seed_host_rngs
+from subnetdp.train.checkpoints.source import reseed, seed_host_rngs
+from subnetdp.train.continuation import Continued, go_on, position_in
 from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
@@ -64,15 +65,43 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
     return TrainedRun(ctx, state, result)
 
 
+class _WentOn(Exception):
+    """The survivors of a lost peer re-formed the world in-process: train on from ``continued``."""
+
+    def __init__(self, continued: Continued, ckpt: Checkpointer, losses: list[float]) -> None:
+        super().__init__(f"going on from step {continued.step}")
+        self.continued, self.ckpt, self.losses = continued, ckpt, losses
+
+
 def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None = None) -> RunResult:
-    """Train ``state`` (built by :func:`~subnetdp.train.setup.setup`) to ``train.steps``: the loop, top to bottom."""
+    """Train ``state`` (built by :func:`~subnetdp.train.setup.setup`) to ``train.steps``.
+
+    Under subnetdp's supervisor (``launch.on_failure=continue``) the survivors of a dead peer go on
+    in-process (:mod:`subnetdp.train.continuation`): the loop starts again after the step they all
+    finished, in the re-formed world."""
+    went_on: _WentOn | None = None
+    while True:
+        try:
+            return _train(ctx, state, stopper, went_on)
+        except _WentOn as w:
+            ctx, went_on = w.continued.context, w
+
+
+def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: _WentOn | None) -> RunResult:
+    """The loop, top to bottom, from set-up, a resume or an in-process continuation (``went_on``)."""
     cfg, comm, hook, steps = ctx.cfg, ctx.comm, ctx.plugins.hook, int(ctx.cfg.train.steps)
     loader = ctx.data.train_loader(ctx.rank, comm.world_size, int(cfg.train.batch_size))
     ckpt = Checkpointer(ctx, state, loader)
-    # After set-up, whose lazy imports may draw from them (rich, via scikit-learn, does); a resume restores them.
-    seed_host_rngs(int(cfg.seed))
-    first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
-    say_going_on(ctx, first - 1)  # after a restart: every node's console says the job goes on
+    if went_on is None:
+        # After set-up, whose lazy imports may draw from them (rich, via scikit-learn, does); a resume restores them.
+        seed_host_rngs(int(cfg.seed))
+        first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
+        say_going_on(ctx, first - 1)  # after a restart: every node's console says the job goes on
+    else:  # the rules of a resume from the survivors' files on exactly the survivors (continuation.py)
+        ckpt.adopt(went_on.ckpt)
+        loader.load_state_dict(position_in(went_on.continued, loader, int(cfg.train.batch_size)))
+        reseed(int(cfg.seed) + went_on.continued.step)
+        first = went_on.continued.step + 1
     if first > 1:
         ckpt.mark_finished(first - 1)
     batches = (_to_device(b, comm.device) for b in loader)
@@ -85,6 +114,8 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
         try:
             hook.subnetdp_on_run_start(context=ctx, state=state)
             reporter.carry_over(ctx, state, ckpt.carried)  # a step the survivors finished and nobody logged
+            if went_on is not None:
+                reporter.losses[:0] = went_on.losses  # this rank's losses since the last row, logged at the next
             if stopper is not None:
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
@@ -136,6 +167,10 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                                step=state.step)
             hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
         except PeerLost as lost:
+            # collective among the survivors: under the supervisor they re-form the world and go on.
+            continued = go_on(ctx, state, ckpt, lost)
+            if continued is not None:
+                raise _WentOn(continued, ckpt, list(reporter.losses)) from None
             if stopper is not None:
                 stopper.leaving()  # the agent's SIGTERM that follows a death asks for nothing more
             # A peer died or stopped answering: keep this rank's units as of its last finished step

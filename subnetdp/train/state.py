@@ -249,6 +249,19 @@ class TrainState(TrainStateView):
         the memory baseline of a measured step."""
         return training_state_tensors(self._model, self._optimizer, self._sync.state_tensors())
 
+    def regroup(self, ctx: RunContext, before: MaskPlan, new_plan: MaskPlan, source: PieceSource) -> None:
+        """Go on in the world re-formed without lost ranks (:mod:`subnetdp.train.continuation`). Collective
+        among the survivors.
+
+        ``ctx``: the run context in the survivors' numbering; ``before``: the plan as it stands,
+        renumbered (``plan.without(members)``: this rank's model holds exactly its units); ``new_plan``:
+        the plan to go on with. The model, optimizer, schedule and synchroniser are rebuilt for the new
+        world (its owner groups are new) and filled from ``source``, as any re-plan is.
+        """
+        self._sync.remove_hooks()
+        self._ctx, self._plan = ctx, before
+        self._replan(new_plan, source, rebuild=True)
+
     def replan(self, new_plan: MaskPlan, source: PieceSource) -> None:
         """Continue under ``new_plan``, with every piece's values from ``source``. Collective.
 
@@ -260,8 +273,11 @@ class TrainState(TrainStateView):
         the model in place. A residual branch that now runs in more of the training forwards than its
         values were trained at is scaled by the ratio of the rates (:meth:`_keep_rates_rise`).
         """
+        self._replan(new_plan, source, rebuild=new_plan.digest() != self._plan.digest())
+
+    def _replan(self, new_plan: MaskPlan, source: PieceSource, rebuild: bool) -> None:
         ctx, previous = self._ctx, None
-        if new_plan.digest() != self._plan.digest():
+        if rebuild:
             previous = Holding(self._model, self._pmap, self._plan)
             self._sync.remove_hooks()  # the old model's gradients are nobody's business from now on
             model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition, ctx.cfg.masker,

@@ -118,6 +118,9 @@ class LaunchConfig:
                          lo=0, fix="0 makes the job fixed at launch.nodes")
     max_restarts: int = doc("restarts of the worker group after a failure or a lost node (torchrun, subnetdp launch, launch.nproc=N; needs resume=auto)", 0,
                             lo=0, fix="0 ends the job at the first failure")
+    on_failure: str = doc("subnetdp train launch.nproc=N: after a worker dies, restart the workers (torch's elastic agent) or "
+                          "continue: the workers run under subnetdp's supervisor, which restarts nobody, and the survivors "
+                          "go on in-process at the smaller world (docs/inprocess.md)", "restart", choices=("restart", "continue"))
     rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents meet (a free port on the node started first)", "")
     rdzv_id: str = doc("the job's rendezvous id, the same on every node (empty: subnetdp-RUN.NAME)", "")
     rdzv_conf: str = doc("torchrun's --rdzv-conf, e.g. last_call_timeout=30,join_timeout=600", "")

@@ -109,6 +109,9 @@ def agree(store: Any, old_rank: int, old_world: Sequence[int], lost: Sequence[in
     proposal = json.dumps({"members": present, "steps": steps})
     decided = json.loads(store.compare_set(f"{prefix}/decided", "", proposal))
     members, steps = tuple(decided["members"]), tuple(decided["steps"])
+    for r in old_world:  # a member left out (one that stalled) is the supervisor's to stop: it must not come back
+        if r not in members and not store.check([f"{DEAD_KEY}/{r}"]):
+            store.set(f"{DEAD_KEY}/{r}", f"left out of re-formation {generation}")
     if old_rank not in members:
         raise SubnetdpError(f"rank {old_rank} reached the re-formation {generation} after the survivors "
                             f"{list(members)} had agreed without it; it leaves (its units have co-owners)")

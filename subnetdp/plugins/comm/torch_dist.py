@@ -224,6 +224,11 @@ class TorchDistCommunicator(Communicator):
         self._groups[key] = dist.new_group(list(key), backend=self.backend,
                                            timeout=datetime.timedelta(seconds=float(self.cfg.timeout_s)))
 
+    @property
+    def can_regroup(self) -> bool:
+        """Whether :meth:`regroup` can re-form the world (the workers run under subnetdp's supervisor)."""
+        return self._job_store is not None
+
     def regroup(self, last_step: int) -> Membership:
         """Go on without the lost peers: agree with the survivors, re-form the world under a fresh prefix.
 

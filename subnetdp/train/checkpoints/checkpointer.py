@@ -115,6 +115,9 @@ class Checkpointer:
     def __init__(self, ctx: RunContext, state: "TrainState", loader: Any) -> None:
         self.ctx, self.state, self.loader = ctx, state, loader
         self.cfg, self.comm, self.rank = ctx.cfg, ctx.comm, ctx.rank
+        # The world this rank's files describe: a survivor that takes today's path after a re-formation
+        # failed still writes its fragment under the numbering its units were trained in.
+        self.world_size = ctx.comm.world_size
         self.run_id = ""
         self.lineage: list[dict[str, Any]] = []
         self.last_saved: Path | None = None
@@ -187,7 +190,7 @@ class Checkpointer:
         ctx, state, cfg = self.ctx, self.state, self.cfg
         plan, partition, spec = state.plan, state.partition, ctx.spec
         return {"format": ck.FORMAT, "run_id": self.run_id, "lineage": self.lineage, "step": step,
-                "world_size": self.comm.world_size,
+                "world_size": self.world_size,
                 "plan_digest": plan.digest(), "fsdp_shard_size": int(cfg.fsdp.shard_size),
                 "partition_digest": units.partition_digest(partition),
                 "partition": {"granularity": partition.granularity, "units": len(partition.units),
@@ -201,7 +204,7 @@ class Checkpointer:
                           buffers: dict[str, torch.Tensor], states: dict[str, dict[str, Any]]) -> dict[str, Any]:
         state = self.state
         meta = {"format": ck.FORMAT, "run_id": self.run_id, "step": str(step),
-                "world_size": str(self.comm.world_size), "plan_digest": state.plan.digest()}
+                "world_size": str(self.world_size), "plan_digest": state.plan.digest()}
         out = {}
         if pieces:  # a rank may own nothing another owner does not write
             name = ck.pieces_file(self.rank)
@@ -211,7 +214,7 @@ class Checkpointer:
         out[st_name] = ck.write_atomic(tmp / st_name, lambda p: ck.save_safetensors(
             p, buffers, {**meta, "rank": str(self.rank)}))
         saved = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
-                 "world_size": self.comm.world_size, "batch_size": int(self.cfg.train.batch_size),
+                 "world_size": self.world_size, "batch_size": int(self.cfg.train.batch_size),
                  **rank_file_entries(states)}
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
@@ -235,8 +238,9 @@ class Checkpointer:
         """Remember what a survivor's files need of ``step``, the last step this rank finished: the data
         position, the RNG states and the buffers (the next step's forward changes them before any of
         its collectives can fail), and this rank's ``loss`` until a log row holds it (:meth:`mark_logged`).
-        Cheap: two integers, the RNG states and the buffers' values."""
-        if self.recoverable() is not None:
+        Cheap: two integers, the RNG states and the buffers' values. Kept too when the survivors can
+        go on in-process (the communicator can re-form the world), whatever the checkpoint settings."""
+        if self.recoverable() is not None and not getattr(self.comm, "can_regroup", False):
             return
         self.unlogged.note(step, loss)
         persistent = self._persistent_buffers()
@@ -339,7 +343,8 @@ class Checkpointer:
                 return 0
             source, error = CheckpointPieces(Path(choice["path"]), self.loader), None
             try:
-                self.state.replan(self.state.plan, source)
+                self.state.replan(survivors.resume_plan(Path(choice["path"]), self.state, self.cfg,
+                                                        self.comm.world_size), source)
             except SubnetdpError as e:
                 error = f"rank {self.rank}: {e}"
             errors = [e for e in self.comm.all_gather_object(error) if e]  # collective: all load or none goes on
@@ -361,6 +366,17 @@ class Checkpointer:
             how = " on a new plan (re-planned: each rank loaded its new units)" if source.replanned else ""
             print(f"resumed from {choice['path']} (step {self.state.step}){how}", flush=True)
         return self.state.step
+
+    def adopt(self, previous: "Checkpointer") -> None:
+        """Go on with ``previous``'s run id, lineage and unlogged losses (an in-process continuation
+        makes a new checkpointer for the re-formed world; nothing is read from disk)."""
+        self.run_id, self.lineage, self.unlogged = previous.run_id, previous.lineage, previous.unlogged
+        self.last_saved = previous.last_saved
+
+    @property
+    def boundary(self) -> tuple[int, Any, Any, dict[str, torch.Tensor]] | None:
+        """(step, loader position, RNG states, buffers) as the last finished step ended (:meth:`mark_finished`)."""
+        return self._boundary
 
     def _set_aside_assembled(self, path: Path, why: str) -> None:
         step = int(ck.STEP_DIR.match(path.name).group(1))

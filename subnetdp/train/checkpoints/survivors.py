@@ -40,14 +40,14 @@ from typing import Any
 
 from subnetdp.core import records
 from subnetdp.core.contracts import Partition
-from subnetdp.core.errors import CheckpointError
+from subnetdp.core.errors import CheckpointError, PlanError
 from subnetdp.core.records import Int, ListOf, MapOf, Record, Str
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.pieces import global_items
 from subnetdp.train import faults
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.checkpoints import lineage, schema, units
-from subnetdp.train.checkpoints.source import read_plan
+from subnetdp.train.checkpoints.source import read_plan, trained_masker
 from subnetdp.train.checkpoints.unlogged import manifest_entries
 
 FRAGMENT = "FRAGMENT.json"
@@ -418,3 +418,26 @@ def _check_tensors(f: Fragment, manifest: dict[str, Any], plan: MaskPlan, partit
         key = units.item_key(it)
         if f.rank in it.owners and (key not in buffers or buffers.shape(key) != list(it.shape)):
             raise CheckpointError(f"{buffers.path}: buffer {key} is missing or not of shape {list(it.shape)}")
+
+
+def resume_plan(path: Path, state: Any, cfg: Any, world_size: int) -> MaskPlan:
+    """The plan a resume from checkpoint ``path`` continues under: the run's own (``state.plan``), except
+    when exactly the survivors of a checkpoint assembled from their files resume it with the masker it
+    was trained with. Then the survivors' plan (``plan.without``: every unit keeps its surviving owners,
+    one below ``masker.min_owners`` gains one), the plan they would have gone on with in-process
+    (docs/inprocess.md): fewer units move than under a fresh plan, and both paths train the same values."""
+    from omegaconf import OmegaConf
+
+    manifest = ck.read_manifest(path)
+    absent = {int(r) for r in manifest.get("absent_ranks", ())}
+    old_world = int(manifest["world_size"])
+    if not absent or world_size != old_world - len(absent) or state.parallel.sharded:
+        return state.plan
+    stored = OmegaConf.to_container(trained_masker(path, manifest, cfg.masker), resolve=True)
+    if stored != OmegaConf.to_container(cfg.masker, resolve=True):
+        return state.plan  # another masker, coverage or seed asked for: a new plan
+    try:
+        return read_plan(path, manifest).without([r for r in range(old_world) if r not in absent],
+                                                 int(cfg.masker.min_owners))
+    except (PlanError, ValueError):
+        return state.plan

@@ -1,0 +1,134 @@
+"""What a lost worker costs when the survivors go on in-process (``launch.on_failure=continue``).
+
+4 workers under subnetdp's supervisor (``subnetdp train launch.nproc=4``), C = 0.5 with
+``masker.min_owners=2``, N steps; rank 1 is SIGKILLed inside the gradient averaging of a random step.
+For ResNet-18 on digits and the 8-block LLaMA on the standard library's source, each trial reports
+
+- seconds from the kill (the kill's marker file) to the end of the first step after it (rank 0's
+  TensorBoard event times): detection, agreement, re-formed groups, the heal, the re-plan and one step;
+- finished steps trained twice: the step the survivors went on from against the last one finished
+  before the kill (0 when none is lost);
+- bytes moved to heal (the payload of the ``heal`` phase's broadcasts: the units that gained an owner
+  and the buffer copies their means need);
+- the union model's loss at the end against an uninterrupted run of the same steps at 4 workers
+  (quality of going on at W-1 after the death; the same seed and data).
+
+    .venv/bin/python benchmarks/inprocess.py [--steps 200 --trials 5 --models resnet,llama]
+
+Writes ``inprocess.json`` under the results directory (``_results.py``) and prints a table. The
+restart paths it replaces are measured by ``benchmarks/recovery.py`` (torchrun restarts every worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _results import results_dir  # benchmarks/_results.py: ./bench-results unless told otherwise
+from subnetdp.train import faults
+
+MODELS = {
+    "resnet": ["resnet18_digits", "train.batch_size=4", "eval.bn_recalibrate_batches=0", "optim.warmup_steps=0"],
+    "llama": ["llama_tiny_stdlib", "model.dim=128", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2",
+              "train.batch_size=4", "data.seq_len=64", "optim.warmup_steps=0"],
+}
+
+
+def _args(model: str, steps: int, tmp: Path, name: str) -> list[str]:
+    return ["train", *MODELS[model], f"train.steps={steps}", "train.log_every=1", "eval.every=0",
+            "masker.coverage=0.5", "masker.min_owners=2", "launch.threads_per_rank=1", "train.progress=false",
+            "checkpoint.final=never", "launch.nproc=4", "launch.on_failure=continue", "comm.timeout_s=60",
+            f"run.dir={tmp}", f"run.name={name}"]
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "subnetdp", *args], capture_output=True, text=True, timeout=7200,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def _first_step_after(run: Path, step: int, since: float) -> float | None:
+    """Wall time at which rank 0 logged its first step after ``step`` later than ``since``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard" / "rank_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    times = [e.wall_time for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag) if e.step > step and e.wall_time > since]
+    return min(times) if times else None
+
+
+def _union_loss(run: Path) -> float:
+    return float(json.loads((run / "summary.json").read_text())["eval"]["loss"])
+
+
+def trial(model: str, kill: int, steps: int, tmp: Path) -> dict[str, Any]:
+    name = f"{model}-k{kill}"
+    p = _run(_args(model, steps, tmp, name), {faults.KILL_IN_SYNC: str(kill)})
+    run = tmp / name
+    out = p.stdout + p.stderr
+    if p.returncode != 0:
+        kept = results_dir() / f"inprocess-{name}.log"
+        kept.write_text(f"exit {p.returncode}\n{out}")
+        print(f"{name}: exit {p.returncode}; its output is in {kept}", file=sys.stderr, flush=True)
+        return {"model": model, "kill_step": kill, "exit": p.returncode}
+    went = re.search(r"go on in-process from step (\d+): (\d+) piece\(s\) gained an owner over the network "
+                     r"\(([\d.]+) MiB .*?\), re-formed in ([\d.]+) s", out)
+    marker = faults.fault_marker(run, faults.KILL_IN_SYNC, kill, 1)
+    killed_at = marker.stat().st_mtime
+    first = _first_step_after(run, kill - 1, killed_at)
+    summary = json.loads((run / "summary.json").read_text())
+    return {"model": model, "kill_step": kill, "exit": 0, "went_on_from": int(went.group(1)) if went else None,
+            "steps_trained_twice": (kill - 1) - int(went.group(1)) if went else None,
+            "pieces_healed": int(went.group(2)) if went else None, "seconds_reformation": float(went.group(4)) if went else None,
+            "seconds_kill_to_next_step": (first - killed_at) if first else None, "heal_mib": float(went.group(3)) if went else None,
+            "union_loss": _union_loss(run), "world_size_at_end": summary["world_size"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--models", default="resnet,llama")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    kills = [rng.randrange(2, args.steps) for _ in range(args.trials)]
+    rows, refs = [], {}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        for model in args.models.split(","):
+            ref = _run(_args(model, args.steps, tmp, f"ref-{model}"), {})
+            if ref.returncode != 0:
+                sys.exit(f"the uninterrupted reference run ({model}) failed:\n{ref.stderr[-3000:]}")
+            refs[model] = _union_loss(tmp / f"ref-{model}")
+            for kill in kills:
+                rows.append(trial(model, kill, args.steps, tmp))
+                print(json.dumps(rows[-1]), flush=True)
+    out = results_dir() / "inprocess.json"
+    out.write_text(json.dumps({"args": vars(args), "load": os.getloadavg(), "reference_union_loss": refs,
+                               "rows": rows}, indent=1))
+    print("\n| model | kill steps | trained twice | s kill -> next step (median, max) | re-formation s (median) "
+          "| MiB healed (mean) | union loss: after a death / uninterrupted |")
+    print("|---|---|---|---|---|---|---|")
+    for model in args.models.split(","):
+        rs = [r for r in rows if r["model"] == model and r["exit"] == 0]
+        secs = [r["seconds_kill_to_next_step"] for r in rs if r["seconds_kill_to_next_step"] is not None]
+        reform = [r["seconds_reformation"] for r in rs if r["seconds_reformation"] is not None]
+        losses = [r["union_loss"] for r in rs]
+        print(f"| {model} | {[r['kill_step'] for r in rs]} | {[r['steps_trained_twice'] for r in rs]} | "
+              f"{statistics.median(secs):.2f}, {max(secs):.2f} | {statistics.median(reform):.2f} | "
+              f"{statistics.mean(r['heal_mib'] for r in rs):.1f} | "
+              f"{statistics.mean(losses):.4f} / {refs[model]:.4f} |" if rs else f"| {model} | no trial finished |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

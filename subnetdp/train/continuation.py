@@ -1,0 +1,248 @@
+"""Going on in-process after a peer dies (``launch.on_failure=continue``; docs/inprocess.md).
+
+The workers run under subnetdp's supervisor, which restarts nobody. When a collective fails because a
+peer died (or stopped answering), every survivor calls :func:`go_on`: the survivors agree on who goes
+on and from which step (the communicator's ``regroup``), the world and its owner groups are formed
+again among them, and the training state re-plans through its one path (``TrainState.regroup``):
+
+- **units**: ``plan.without(members, masker.min_owners)``: every unit keeps its surviving owners, a unit
+  left below ``masker.min_owners`` gains the survivor with the fewest units, which receives the unit's
+  values and optimizer state from the lowest surviving owner over the network (never from disk);
+- **buffers** (BatchNorm statistics): each piece the mean of its surviving owners' copies;
+- **data**: the sampler is split again over the survivors at the step they all finished, by samples
+  seen, and every rank re-seeds from ``seed + step``; the global batch becomes the survivors' batches;
+- **learning rate and optimizer**: carried over unchanged.
+
+These are the rules of a resume from the survivors' files on exactly the survivors
+(:meth:`~subnetdp.train.checkpoints.checkpointer.Checkpointer.start`), so going on in-process from
+step S trains the same values, bit for bit, as writing the survivors' files at S and restarting on
+them. When a rule cannot hold (the survivors stand one step apart, a unit lost every owner, local steps,
+FSDP shards, re-drawn plans, backward masking), the survivors take today's path: they write their
+files and leave, and a restart resumes from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from subnetdp.core.contracts import RunContext
+from subnetdp.core.errors import PeerLost, SubnetdpError
+from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.pieces import LocalIndex, global_items
+from subnetdp.sdp.variants import regime_of
+from subnetdp.train.checkpoints import units
+from subnetdp.train.stateful import local_names
+
+if TYPE_CHECKING:
+    from subnetdp.train.checkpoints.checkpointer import Checkpointer
+    from subnetdp.train.state import Holding, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Continued:
+    """What the loop needs to go on after :func:`go_on`: the context in the survivors' numbering, the
+    step every survivor finished, the loader position as it ended in the old world, and what it cost."""
+
+    context: RunContext
+    step: int
+    position: dict[str, int]
+    old_world: int
+    members: tuple[int, ...]
+    seconds: float
+    gained: int  # pieces that moved to a new owner over the network
+
+
+def why_not(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> Optional[str]:
+    """Why this run cannot go on in-process (None: it can). The same on every rank but the last item."""
+    cfg = ctx.cfg
+    if not getattr(ctx.comm, "can_regroup", False):
+        return "the workers do not run under subnetdp's supervisor (launch.on_failure=continue)"
+    if state.synchronizer.owners_diverge:
+        return "owners' copies differ between synchronisations (sync.mode=local_steps)"
+    if state.parallel.sharded:
+        return "fsdp.shard_size > 1"
+    if int(cfg.masker.resample_every) > 0:
+        return f"masker.resample_every={cfg.masker.resample_every}"
+    if regime_of(cfg.masker).refreshes:
+        return "backward masking (every rank holds every unit)"
+    if ckpt.boundary is None:
+        return "no step had finished yet"
+    return None
+
+
+class _Copies:
+    """One old rank's buffer copies, as :func:`units.read_buffer_mean` reads a rank's file."""
+
+    def __init__(self, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.path, self.tensors = f"rank {rank}'s buffers (in memory)", tensors
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+class LiveReader:
+    """The survivors' pieces in memory, read as :class:`units.PieceReader` reads a checkpoint's files.
+
+    ``pieces``: this rank's own pieces under the renumbered plan (values and optimizer state, keyed as
+    a checkpoint keys them), to which :meth:`exchange` adds the pieces it gains; ``buffers``: its own
+    buffer copies, to which :meth:`exchange` adds the co-owners' copies it needs for their mean.
+    """
+
+    def __init__(self, rank: int, pieces: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        self.rank, self.pieces = rank, dict(pieces)
+        self.copies: dict[int, dict[str, torch.Tensor]] = {rank: dict(buffers)}
+
+    def get(self, key: str, prefix: str = "", shape: Any = None, rank: Any = None, dtype: Any = None) -> torch.Tensor:
+        return self.pieces[prefix + key]
+
+    def kinds(self, key: str, rank: Any = None) -> dict[str, set[str]]:
+        found = {k.split("/", 1)[0] for k in self.pieces if "/" in k and k.split("/", 1)[1] == key}
+        return {"optim": {k[len(units.OPTIM):] for k in found if k.startswith(units.OPTIM)},
+                "scalar": {k[len(units.SCALAR):] for k in found if k.startswith(units.SCALAR)},
+                "extra": set()}
+
+    def rank_buffers(self, rank: int) -> _Copies:
+        return _Copies(rank, self.copies.setdefault(rank, {}))
+
+    def file_of(self, key: str, rank: Any = None) -> Any:
+        return _Copies(self.rank, {})
+
+    def exchange(self, state: "TrainState", before: MaskPlan, after: MaskPlan) -> int:
+        """Every piece a rank gains comes from its lowest surviving owner, and every buffer copy a new
+        holder's mean needs from its owner, by broadcasts in the re-formed world in global order.
+        Returns the pieces that changed hands. Collective: every survivor, with the same plans."""
+        comm, partition, rank = state.context.comm, state.partition, self.rank
+        sends: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
+        moving = []
+        for it in global_items(partition, before):
+            gainers = set(after.owners(it.unit)) - set(it.owners) if it.unit is not None else set()
+            if not gainers:
+                continue
+            key = units.item_key(it)
+            moving.append((it, key))
+            if rank == it.owners[0]:
+                sends[key] = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                              for k, t in self.pieces.items() if k == key or k.endswith("/" + key)]
+        table: dict[str, Any] = {}
+        for part in comm.all_gather_object(sends):  # collective: what each sender's pieces hold
+            table.update(part)
+        for it, key in moving:
+            gains = rank in after.owners(it.unit) and rank not in it.owners
+            for name, shape, dtype in table[key]:
+                src = it.owners[0]
+                buf = (self.pieces[name].contiguous().clone() if rank == src
+                       else torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device))
+                comm.broadcast(buf, src)  # collective: every survivor joins each piece that changes hands
+                if gains:
+                    self.pieces[name] = buf
+        for it in global_items(partition, before, buffers=True):
+            holders = set(after.owners(it.unit)) if it.unit is not None else set(it.owners)
+            # The mean of float buffers reads every owner's copy, an integer buffer the lowest owner's.
+            sources = it.owners if partition.dtypes[it.name].is_floating_point else it.owners[:1]
+            for src in sources:
+                if holders <= {src}:
+                    continue  # only the source itself reads this copy
+                key = units.item_key(it)
+                mine = self.copies[rank].get(key) if rank == src else None
+                buf = (mine.contiguous().clone() if mine is not None
+                       else torch.empty(it.shape, dtype=partition.dtypes[it.name], device=comm.device))
+                comm.broadcast(buf, src)  # collective: every survivor joins each copy a mean needs
+                if rank in holders and rank != src:
+                    self.copies.setdefault(src, {})[key] = buf
+        return len(moving)
+
+
+class SurvivorsPieces:
+    """The survivors as a :class:`~subnetdp.train.state.PieceSource`: this rank's pieces as the step
+    every survivor finished ended, and its co-owners' over the re-formed world."""
+
+    trained_rates = None  # the values were trained under the plan before the change
+
+    def __init__(self, reader: LiveReader, before: MaskPlan, step: int, state: "TrainState") -> None:
+        self.reader, self.before, self.step, self.gained = reader, before, step, 0
+        # What the old optimizer and schedule carry over (hyper-parameters, the schedule's position);
+        # each parameter's state comes with its pieces.
+        old = state.stateful()
+        self.optimizer = {k: v for k, v in old["optimizer"].state_dict().items() if k != "params"}
+        self.schedule = old["scheduler"].state_dict() if old["scheduler"] is not None else None
+
+    def load(self, state: "TrainState", previous: Optional["Holding"]) -> int:
+        reader, rank = self.reader, state.context.comm.rank
+        with state.context.comm.bytes.phase("heal"):
+            self.gained = reader.exchange(state, self.before, state.plan)  # collective
+        states = state.stateful()
+        with torch.no_grad():
+            index = LocalIndex(state.model, state.pmap)
+            optim_state, outer = units.load_pieces(reader, rank, state.partition, state.plan, index)  # type: ignore[arg-type]
+            units.load_buffers(reader, rank, state.partition, state.plan, index, self.before, own=False)  # type: ignore[arg-type]
+            states["sync"].load_state_dict({"step": self.step, "pieces": outer, "rank": {}})
+        states["optimizer"].load_state_dict({**self.optimizer, "params": optim_state})
+        if self.schedule is not None:
+            states["scheduler"].load_state_dict(self.schedule)
+        return self.step
+
+
+def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: PeerLost) -> Optional[Continued]:
+    """Re-form the world without the lost ranks and re-plan the state in it; None when the survivors must
+    take today's path instead (one line says why). Collective among the survivors."""
+    start = time.monotonic()
+    reason = why_not(ctx, state, ckpt)
+    if reason is not None:
+        if getattr(ctx.comm, "can_regroup", False):
+            print(f"subnetdp: rank {ctx.rank}: not going on in-process: {reason}", flush=True)
+        return None
+    comm, cfg, progress, boundary = ctx.comm, ctx.cfg, state.progress, ckpt.boundary
+    assert boundary is not None
+    if progress.updated and progress.step > boundary[0]:
+        # The step in progress passed its commit point here: the state as it stands is its end.
+        last, position = progress.step, ckpt.loader.state_dict()
+    else:
+        last, position = boundary[0], boundary[1]
+        with torch.no_grad():  # the buffers as that step ended, not as the next step's forward left them
+            for name, b in state.model.named_buffers():
+                if name in boundary[3]:
+                    b.copy_(boundary[3][name])
+    old_world, old_rank = comm.world_size, comm.rank
+    try:
+        m = comm.regroup(last)  # collective: every survivor agrees on the members and the step
+    except (SubnetdpError, RuntimeError) as e:
+        print(f"subnetdp: rank {old_rank}: not going on in-process: the survivors did not re-form ({e})", flush=True)
+        return None
+    if not m.consistent:
+        print(f"subnetdp: rank {old_rank}: not going on in-process: the survivors finished different steps "
+              f"{dict(zip(m.members, m.last_steps))} (a death inside the step's last collective)", flush=True)
+        return None
+    try:
+        before = state.plan.without(m.members)
+        after = state.plan.without(m.members, int(cfg.masker.min_owners))
+    except SubnetdpError as e:
+        print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)
+        return None
+    new_ctx = dataclasses.replace(ctx, env=comm.env)
+    index = LocalIndex(state.model, state.pmap)
+    params = [p for g in state.optimizer.param_groups for p in g["params"]]
+    optim_state = {n: state.optimizer.state[p] for n, p in zip(local_names(state.model, state.optimizer), params)}
+    pieces = units.pieces_to_write(m.rank, state.partition, before, index, {}, optim_state, per_owner=True)
+    buffers = units.buffers_to_write(m.rank, state.partition, before, index)
+    # Views of the old model and optimizer, alive until the new model is filled.
+    source = SurvivorsPieces(LiveReader(m.rank, pieces, buffers), before, last, state)
+    state.regroup(new_ctx, before, after, source)  # collective: the new owner groups, the pieces gained
+    seconds = time.monotonic() - start
+    if m.rank == 0:
+        print(f"subnetdp: {lost}; the {m.world_size} survivors (old ranks {list(m.members)}) go on in-process "
+              f"from step {last}: {source.gained} piece(s) gained an owner over the network "
+              f"({comm.bytes.total('heal') / 2**20:.2f} MiB of values, optimizer state and buffers broadcast), "
+              f"re-formed in {seconds:.2f} s",
+              flush=True)
+    return Continued(new_ctx, last, dict(position), old_world, m.members, seconds, source.gained)
+
+
+def position_in(continued: Continued, loader: Any, batch_size: int) -> dict[str, int]:
+    """The new world's loader position: the old one carried over by samples seen, as a resume on another
+    world size carries it (:func:`units.carry_position`)."""
+    return units.carry_position(continued.position, (continued.old_world, batch_size),
+                                (continued.context.comm.world_size, batch_size), loader.batches_per_epoch)
