@@ -75,6 +75,7 @@ def test_a_piped_run_prints_whole_log_lines_and_no_bar(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "train.steps=2",
                            "train.log_every=1", "train.batch_size=4", "optim.warmup_steps=0", "eval.batches=1",
                            "eval.bn_recalibrate_batches=0", "launch.threads_per_rank=1", f"run.dir={tmp_path}",
+                           "launch.nproc=2",  # the launcher and its workers on the pipe, 2 of the recipe's 4 are enough
                            "run.name=piped"], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
