@@ -140,6 +140,10 @@ def round_prefix(store: Any, rank: int) -> str:
     return f"subnetdp/round-{joins}"
 
 
+#: How a closed connection to the store reads in torch's errors (gloo's TCPStore client).
+_STORE_HOST_LEFT = ("connection was likely closed", "connection reset", "broken pipe", "failed to recv")
+
+
 def arrival_error(comm: Communicator, init_method: str, timeout: float, error: BaseException) -> str:
     """A message for a world that did not assemble: how many processes were expected, how many came."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -150,6 +154,10 @@ def arrival_error(comm: Communicator, init_method: str, timeout: float, error: B
         arrived = f"only {joined.group(1)} of {comm.world_size} processes arrived"  # rank 0 counts itself
     elif "timed out" in text.lower() or "timeout" in text.lower():
         arrived = f"rank {comm.rank} of {comm.world_size} could not meet the others"
+    elif comm.rank != 0 and any(s in text.lower() for s in _STORE_HOST_LEFT):
+        # Rank 0 hosts the store: when it gives up first (its own timeout started earlier), the others
+        # see their connection close before their timeout. The same case, said the same way.
+        arrived = f"rank {comm.rank} of {comm.world_size} could not meet the others (rank 0, the store's host, gave up)"
     else:
         return (f"comm.name={comm.cfg.name}: creating the {comm.world_size}-process group at {where} failed: "
                 f"{text}")
