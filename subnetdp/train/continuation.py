@@ -93,14 +93,22 @@ class LiveReader:
     """
 
     def __init__(self, rank: int, pieces: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
-        self.rank, self.pieces = rank, dict(pieces)
+        self.rank, self.pieces = rank, {}
+        self.names: dict[str, list[str]] = {}  # piece key -> its value's and its optimizer state's names
+        for name, t in pieces.items():
+            self._add(name, t)
         self.copies: dict[int, dict[str, torch.Tensor]] = {rank: dict(buffers)}
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.pieces:
+            self.names.setdefault(name.split("/", 1)[-1], []).append(name)
+        self.pieces[name] = tensor
 
     def get(self, key: str, prefix: str = "", shape: Any = None, rank: Any = None, dtype: Any = None) -> torch.Tensor:
         return self.pieces[prefix + key]
 
     def kinds(self, key: str, rank: Any = None) -> dict[str, set[str]]:
-        found = {k.split("/", 1)[0] for k in self.pieces if "/" in k and k.split("/", 1)[1] == key}
+        found = {n.split("/", 1)[0] for n in self.names.get(key, ()) if "/" in n}
         return {"optim": {k[len(units.OPTIM):] for k in found if k.startswith(units.OPTIM)},
                 "scalar": {k[len(units.SCALAR):] for k in found if k.startswith(units.SCALAR)},
                 "extra": set()}
@@ -125,8 +133,8 @@ class LiveReader:
             key = units.item_key(it)
             moving.append((it, key))
             if rank == it.owners[0]:
-                sends[key] = [(k, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                              for k, t in self.pieces.items() if k == key or k.endswith("/" + key)]
+                sends[key] = [(n, tuple(self.pieces[n].shape), str(self.pieces[n].dtype).removeprefix("torch."))
+                              for n in self.names.get(key, ())]
         table: dict[str, Any] = {}
         for part in comm.all_gather_object(sends):  # collective: what each sender's pieces hold
             table.update(part)
@@ -138,7 +146,7 @@ class LiveReader:
                        else torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device))
                 comm.broadcast(buf, src)  # collective: every survivor joins each piece that changes hands
                 if gains:
-                    self.pieces[name] = buf
+                    self._add(name, buf)
         for it in global_items(partition, before, buffers=True):
             holders = set(after.owners(it.unit)) if it.unit is not None else set(it.owners)
             # The mean of float buffers reads every owner's copy, an integer buffer the lowest owner's.
@@ -195,17 +203,9 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
         if getattr(ctx.comm, "can_regroup", False):
             print(f"subnetdp: rank {ctx.rank}: not going on in-process: {reason}", flush=True)
         return None
-    comm, cfg, progress, boundary = ctx.comm, ctx.cfg, state.progress, ckpt.boundary
-    assert boundary is not None
-    if progress.updated and progress.step > boundary[0]:
-        # The step in progress passed its commit point here: the state as it stands is its end.
-        last, position = progress.step, ckpt.loader.state_dict()
-    else:
-        last, position = boundary[0], boundary[1]
-        with torch.no_grad():  # the buffers as that step ended, not as the next step's forward left them
-            for name, b in state.model.named_buffers():
-                if name in boundary[3]:
-                    b.copy_(boundary[3][name])
+    comm, cfg = ctx.comm, ctx.cfg
+    last, ended = ckpt.rewind()  # the step every survivor finished here, its buffers as it ended
+    position = ended[0] if ended is not None else ckpt.loader.state_dict()
     old_world, old_rank = comm.world_size, comm.rank
     try:
         m = comm.regroup(last)  # collective: every survivor agrees on the members and the step

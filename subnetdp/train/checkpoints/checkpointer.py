@@ -270,22 +270,31 @@ class Checkpointer:
         if reason is not None:
             return PeerLost(f"{error}; it kept no units ({reason}), so the run resumes from its newest checkpoint",
                             error.lost)
-        if progress.updated:  # the step in progress is finished here: the state as it stands is its end
-            step = progress.step
-            position = boundary[1:3] if boundary is not None and boundary[0] == step else None
-            snapshot = boundary[3] if position is not None else None
-        else:  # failed before its update: the state is the last finished step's, but for what the forward moved
-            step, position, snapshot = boundary[0], boundary[1:3], boundary[3]
+        step, position = self.rewind()
         try:
-            path = self._write_fragment(step, position, snapshot, set(error.lost))
+            path = self._write_fragment(step, position, set(error.lost))
         except (OSError, SubnetdpError) as e:
             return PeerLost(f"{error}; it could not keep its units ({e}), so the run resumes from its newest "
                             "checkpoint", error.lost)
         return PeerLost(f"{error}; it kept its units as of step {step} in {path}", error.lost)
 
     @torch.no_grad()
-    def _write_fragment(self, step: int, position: tuple[Any, Any] | None,
-                        snapshot: dict[str, torch.Tensor] | None, lost: set[int]) -> Path:
+    def rewind(self) -> tuple[int, tuple[Any, Any] | None]:
+        """The last step this rank finished, and the loader position and RNG states as it ended (None:
+        as they stand). A step in progress that passed its update is that step, as the state stands;
+        otherwise the last boundary (:meth:`mark_finished`), with the buffers put back as it ended (the
+        next step's forward moved them). Needs a finished step: one updated, or a boundary."""
+        progress, boundary = self.state.progress, self._boundary
+        if progress.updated and (boundary is None or boundary[0] != progress.step):
+            return progress.step, None
+        assert boundary is not None
+        for name, b in self.state.model.named_buffers():
+            if name in boundary[3]:
+                b.copy_(boundary[3][name])
+        return boundary[0], boundary[1:3]
+
+    @torch.no_grad()
+    def _write_fragment(self, step: int, position: tuple[Any, Any] | None, lost: set[int]) -> Path:
         """This rank's fragment of ``step``: of every piece it owns, those no lower-ranked owner outside
         ``lost`` (the ranks this rank knows to be dead) writes, so each surviving unit is written about
         once, with no collective to agree who writes (a co-owner that died unnoticed costs that unit's
@@ -294,10 +303,6 @@ class Checkpointer:
         buffers, state, plan and config in any case."""
         state, ctx = self.state, self.ctx
         plan, partition, sync, model = state.plan, state.partition, state.synchronizer, state.model
-        if snapshot is not None:  # the buffers as the step ended, not as the next step's forward left them
-            for name, b in model.named_buffers():
-                if name in snapshot:
-                    b.copy_(snapshot[name])
         tmp = survivors.fragment_tmp(ctx.run_dir, step, self.rank)
         states = self._state_dicts(position)
         index = LocalIndex(model, state.pmap)
