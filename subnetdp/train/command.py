@@ -11,6 +11,9 @@ import time
 from functools import partial
 from typing import Sequence
 
+from omegaconf import DictConfig, OmegaConf
+
+from subnetdp.core.config import Settings
 from subnetdp.core.errors import ConfigError, PeerLost, SubnetdpError
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train import runlock, upfront
@@ -29,11 +32,12 @@ def train_command(recipe: str | None, overrides: list[str], print_config: bool =
         print(to_yaml(cfg), end="")
         return 0
     env = detect()
-    nproc = int(cfg.launch.nproc)
+    settings = Settings.from_config(cfg)  # the launching process reads its keys typed, from here on
+    nproc = settings.launch.nproc
     if _already_finished(cfg, env):
         return 0
     if env.launcher == "none" and nproc > 1:
-        return _start_local_workers(cfg, recipe, overrides, nproc, pm)
+        return _start_local_workers(cfg, settings, recipe, overrides, pm)
     if env.launcher != "none":
         from subnetdp.launchers.lifetime import worker_dies_with_launcher
 
@@ -44,7 +48,7 @@ def train_command(recipe: str | None, overrides: list[str], print_config: bool =
             upfront.check_new_run(cfg, remove=env.rank == 0)
     else:
         upfront.check_run_dir(cfg)
-        _name_run(cfg, 1)
+        cfg = _named(cfg, 1)
         _claim(cfg)  # rank 0 takes the lock itself once its process group exists
     from subnetdp.train.failures import FailureLog
     from subnetdp.train.loop import train
@@ -64,21 +68,22 @@ def train_command(recipe: str | None, overrides: list[str], print_config: bool =
 
 def _claim(cfg, hold: bool = False):
     """:func:`runlock.claim` on this config's run directory."""
-    return runlock.claim(upfront.run_dir_of(cfg), partial(upfront.check_new_run, cfg), str(cfg.run.dir), hold)
+    return runlock.claim(upfront.run_dir_of(cfg), partial(upfront.check_new_run, cfg), cfg.run.dir, hold)
 
 
-def _name_run(cfg, world_size: int) -> str:
-    """``run.name``, made now from the config and the time when it is empty (once, in the launching process)."""
-    from omegaconf import OmegaConf
-
+def _named(cfg: DictConfig, world_size: int) -> DictConfig:
+    """``cfg`` with a ``run.name``: when it has none, a new config with the name made now from the config
+    and the time (once, in the launching process), as if given on the command line, which is how the
+    local workers receive it. ``cfg`` itself is not written."""
     from subnetdp.core.config import default_run_name
 
-    if not cfg.run.name:
-        OmegaConf.update(cfg, "run.name", f"{default_run_name(cfg, world_size)}{time.strftime('-%Y%m%d-%H%M%S')}")
-    return str(cfg.run.name)
+    if cfg.run.name:
+        return cfg
+    name = f"{default_run_name(cfg, world_size)}{time.strftime('-%Y%m%d-%H%M%S')}"
+    return OmegaConf.merge(cfg, {"run": {"name": name}})  # type: ignore[return-value]
 
 
-def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: int, pm) -> int:
+def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None, overrides: list[str], pm) -> int:
     """``subnetdp train launch.nproc=N``: every check, then the run directory's lock, then the workers."""
     from subnetdp.launchers.invocation import record_invocation
     from subnetdp.launchers.local import launch_local
@@ -87,15 +92,16 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     upfront.check_launcher(cfg, pm.registries, "local", nproc)
     # Fail on a bad plan or machine here, before any worker or process group exists.
     preflight(cfg, nproc, pm)
-    continuing = str(cfg.launch.on_failure) == "continue"
-    if continuing and (int(cfg.launch.max_restarts) or str(cfg.comm.name) != "gloo"):
+    launch, nproc = settings.launch, settings.launch.nproc
+    continuing = launch.on_failure == "continue"
+    if continuing and (launch.max_restarts or settings.comm.name != "gloo"):
         raise ConfigError("launch.on_failure", "continue",
                           f"restarts nobody and re-forms gloo groups, but launch.max_restarts="
-                          f"{int(cfg.launch.max_restarts)} and comm.name={cfg.comm.name}",
+                          f"{launch.max_restarts} and comm.name={settings.comm.name}",
                           "set launch.max_restarts=0 and comm.name=gloo, or launch.on_failure=restart")
     given = bool(cfg.run.name)
-    name = _name_run(cfg, nproc)
-    argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
+    cfg = _named(cfg, nproc)
+    argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={cfg.run.name}"])
     # The lock is taken here, before any worker exists, and handed to the workers' rank 0: a second job
     # on this run directory stops at this line however soon after this one it was started.
     with _claim(cfg, hold=True):
@@ -105,11 +111,11 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
 
             print(f"starting {nproc} local workers (subnetdp supervisor: a dead worker is not restarted, "
                   "the others go on)", flush=True)
-            return launch_supervised(nproc, argv, timeout_s=float(cfg.comm.timeout_s))
-        restarts = int(cfg.launch.max_restarts)
+            return launch_supervised(nproc, argv, timeout_s=settings.comm.timeout_s)
+        restarts = launch.max_restarts
         again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)
-        return launch_local(nproc, argv, max_restarts=restarts, stop_timeout_s=float(cfg.launch.stop_timeout_s))
+        return launch_local(nproc, argv, max_restarts=restarts, stop_timeout_s=launch.stop_timeout_s)
 
 
 def _already_finished(cfg, env) -> bool:

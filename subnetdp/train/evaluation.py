@@ -52,11 +52,11 @@ def evaluate_run(ctx: RunContext, state: "TrainState", step: int) -> Evaluation:
     own subnetwork, on the same validation batches. lm-eval tasks (``eval.tasks``) run in one process,
     on a union assembled on rank 0.
     """
-    cfg, partition, plan = ctx.cfg, state.partition, state.plan
+    cfg, s, partition, plan = ctx.cfg, ctx.settings, state.partition, state.plan
     block_forward = partition.granularity == "block" and regime_of(cfg.masker).drops_branches
-    breakdown = bool(cfg.eval.breakdown) and block_forward and step == int(cfg.train.steps) and not state.parallel.sharded
+    breakdown = s.eval.breakdown and block_forward and step == ctx.steps and not state.parallel.sharded
     rates = branch_keep_rates(partition, plan) if block_forward else {}
-    mode = str(cfg.eval.block_union)
+    mode = s.eval.block_union
     # Only the branches the adapter can scale are scaled; the others are named in the summary.
     applied, unscaled = scalable_branches(ctx.adapter, ctx.spec, rates) if mode == "rescaled" else ({}, [])
     how: dict[str, Any] = {"block_union": mode, "rescaled": bool(applied), "branch_keep_rates": rates,
@@ -64,7 +64,7 @@ def evaluate_run(ctx: RunContext, state: "TrainState", step: int) -> Evaluation:
 
     def union_metrics(scales: dict[str, float]) -> dict[str, float]:
         # collective: every rank streams the union's units from their owners, batch by batch.
-        return evaluate_union(ctx.adapter, ctx.spec, int(cfg.seed), partition, plan, state.model, state.pmap,
+        return evaluate_union(ctx.adapter, ctx.spec, s.seed, partition, plan, state.model, state.pmap,
                               ctx.comm, ctx.data, cfg, scales)
 
     # collective when sharded: full parameters while the union streams; evaluation traffic is not a step's.
@@ -78,7 +78,7 @@ def evaluate_run(ctx: RunContext, state: "TrainState", step: int) -> Evaluation:
             metrics = union_metrics(applied)
         union = None
         if ctx.tasks is not None:  # collective: lm-eval needs the whole union in one process
-            union = assemble_union(ctx.adapter, ctx.spec, int(cfg.seed), partition, plan, state.model, state.pmap, ctx.comm)
+            union = assemble_union(ctx.adapter, ctx.spec, s.seed, partition, plan, state.model, state.pmap, ctx.comm)
     tasks: dict[str, float] = {}
     if union is not None:
         if how["rescaled"]:
@@ -98,7 +98,7 @@ def _own_subnetworks(ctx: RunContext, state: "TrainState") -> list[dict[str, Any
 
 def load_tasks(cfg: DictConfig, data: DataModule) -> Any:
     """``eval.tasks``: the lm-eval tasks loaded with their data (None without), before any process group."""
-    tasks = [str(t) for t in cfg.eval.tasks]
+    tasks = list(cfg.eval.tasks)  # a composed config: typed by its schema (list[str])
     if not tasks:
         return None
     from subnetdp.train import downstream
@@ -107,8 +107,8 @@ def load_tasks(cfg: DictConfig, data: DataModule) -> Any:
         raise ConfigError("eval.tasks", tasks, f"data.root={cfg.data.root} does not say which tokenizer made its "
                           "tokens (no meta.json)", "prepare the data with `subnetdp prepare-text`, or eval.tasks=[]")
 
-    downstream.set_offline(bool(cfg.eval.offline))
-    manager = downstream.task_manager(tasks, [str(cfg.eval.include_path)] if cfg.eval.include_path else [])
+    downstream.set_offline(cfg.eval.offline)
+    manager = downstream.task_manager(tasks, [cfg.eval.include_path] if cfg.eval.include_path else [])
     return downstream.load_tasks(manager, tasks)
 
 
@@ -119,14 +119,14 @@ def _evaluate_tasks(ctx: RunContext, union: torch.nn.Module, step: int) -> dict[
     """
     from subnetdp.train import downstream
 
-    cfg, device = ctx.cfg, ctx.comm.device
+    s, device = ctx.settings, ctx.comm.device
     model = union.to(device).eval()
-    lm = downstream.make_lm(model, ctx.data.tokenizer(), device, int(ctx.spec.seq_len) or 2048, int(cfg.eval.task_batch_size))
-    limit = float(cfg.eval.task_limit) or None
+    lm = downstream.make_lm(model, ctx.data.tokenizer(), device, int(ctx.spec.seq_len) or 2048, s.eval.task_batch_size)
+    limit = s.eval.task_limit or None
     if limit is not None and limit >= 1:
         limit = int(limit)
     # The tasks were loaded once at set-up; lm-eval rebuilds their requests at every evaluation.
-    results = downstream.run_tasks(lm, ctx.tasks, limit, cfg.eval.num_fewshot, int(cfg.seed))
+    results = downstream.run_tasks(lm, ctx.tasks, limit, s.eval.num_fewshot, s.seed)
     downstream.save_results(ctx.run_dir, step, results)
     union.cpu()
     return downstream.scalars(results)
@@ -143,7 +143,7 @@ class AlignmentProbe:
 
     def __init__(self, ctx: RunContext, state: "TrainState", meter: "Meter") -> None:
         self.ctx, self.state, self.meter = ctx, state, meter
-        self.every = int(ctx.cfg.train.grad_alignment_every)
+        self.every = ctx.settings.train.grad_alignment_every
         self.records: list[dict[str, float]] = []
 
     def at(self, step: int) -> Callable[[list[Any]], None] | None:
@@ -157,7 +157,7 @@ class AlignmentProbe:
 
             t0 = time.perf_counter()
             with ctx.comm.bytes.phase("probe"):
-                result = gradient_alignment(ctx.adapter, ctx.spec, int(ctx.cfg.seed), state.partition, state.plan,
+                result = gradient_alignment(ctx.adapter, ctx.spec, ctx.settings.seed, state.partition, state.plan,
                                             state.model, state.pmap, ctx.comm, batches)  # collective
             self.meter.untimed(time.perf_counter() - t0)
             if result is not None:

@@ -89,7 +89,7 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
 
 def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: _WentOn | None) -> RunResult:
     """The loop, top to bottom, from set-up, a resume or an in-process continuation (``went_on``)."""
-    cfg, comm, hook, steps = ctx.cfg, ctx.comm, ctx.plugins.hook, int(ctx.cfg.train.steps)
+    cfg, comm, hook, steps = ctx.cfg, ctx.comm, ctx.plugins.hook, ctx.steps
     loader = ctx.data.train_loader(ctx.rank, comm.world_size, int(cfg.train.batch_size))
     ckpt = Checkpointer(ctx, state, loader)
     if went_on is None:
@@ -190,7 +190,7 @@ def _stop(ctx: RunContext, ckpt: Checkpointer, step: int, who: dict[int, int]) -
     if path is None and ctx.cfg.checkpoint.enabled:
         path = ckpt.save(step)  # collective: every rank agreed to stop after this step
     signum = who.get(ctx.rank) or who[min(who)]
-    hint = continue_command(sys.argv, ctx.cfg.run.dir, str(ctx.cfg.run.name))
+    hint = continue_command(sys.argv, ctx.cfg.run.dir, ctx.run_name)
     message = stop_message(who, step, path, hint) if ctx.rank == 0 else ""
     if ctx.rank == 0 and REQUEUE_SIGNAL in who.values():
         # SLURM's notice: every rank has written its part of the checkpoint (the save is collective).

@@ -42,8 +42,8 @@ class OwnerCheck:
     def due(self, step: int, stopping: bool = False) -> bool:
         """A verification step, or one after which a checkpoint is written."""
         cfg = self.ctx.cfg
-        every, last = int(cfg.checkpoint.every), int(cfg.train.steps)
-        saving = bool(cfg.checkpoint.enabled) and (stopping or (step == last and final_wanted(cfg))
+        every, last = int(cfg.checkpoint.every), self.ctx.steps
+        saving = bool(cfg.checkpoint.enabled) and (stopping or (step == last and final_wanted(cfg, last))
                                                    or (every > 0 and step % every == 0))
         return self.on and (step % self.every == 0 or saving)
 

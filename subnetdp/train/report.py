@@ -114,7 +114,7 @@ class Reporter:
     def __init__(self, ctx: RunContext, meter: Meter) -> None:
         cfg = ctx.cfg
         self.meter = meter
-        self.steps, self.log_every = int(cfg.train.steps), int(cfg.train.log_every)
+        self.steps, self.log_every = ctx.steps, ctx.settings.train.log_every
         self.log = RunLogger(ctx.run_dir, ctx.rank, bool(cfg.run.tensorboard))
         self.bar: Any = None
         self.losses: list[float] = []  # this rank's losses since the last log step

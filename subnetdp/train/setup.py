@@ -37,19 +37,21 @@ from subnetdp.train.state import TrainState
 
 
 def set_threads(cfg: DictConfig, env: LaunchEnv) -> int:
-    """Torch's intra-op thread count: ``launch.threads_per_rank``, or the cores shared evenly."""
-    n = int(cfg.launch.threads_per_rank) or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+    """Torch's intra-op thread count: ``launch.threads_per_rank``, or the cores shared evenly.
+
+    ``cfg`` here and below is a composed config: typed by its schemas, so its values are read as they are."""
+    n = cfg.launch.threads_per_rank or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
     torch.set_num_threads(n)
     return n
 
 
 def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
     """``eval.bn_recalibrate_batches`` at most one pass over the training data (the loader is endless)."""
-    n = int(cfg.eval.bn_recalibrate_batches)
+    n = cfg.eval.bn_recalibrate_batches
     if n <= 0:
         return
     try:
-        per_epoch = data.train_loader(0, 1, int(cfg.train.batch_size)).batches_per_epoch
+        per_epoch = data.train_loader(0, 1, cfg.train.batch_size).batches_per_epoch
     except (SubnetdpError, ValueError):  # a batch larger than the data is the batch size's error, reported where it is checked
         return
     if per_epoch is not None and n > per_epoch:
@@ -61,7 +63,7 @@ def check_recalibration_fits(cfg: DictConfig, data: DataModule) -> None:
 def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[DataModule, DataSpec, ModelAdapter, torch.nn.Module, Partition, MaskPlan]:
     """Data spec, full model, partition and validated plan: all without a process group."""
     regs = pm.registries
-    data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
+    data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=cfg.seed)
     data.check()
     check_recalibration_fits(cfg, data)
     spec = data.spec()
@@ -70,12 +72,12 @@ def build_plan(cfg: DictConfig, world_size: int, pm: PluginManager) -> tuple[Dat
     replicas = config_mod.check_world(cfg, world_size)  # fsdp.shard_size must divide the world
     # The full model exists only on the meta device (shapes, no storage): the partition, the units'
     # FLOPs and the plan come from it; a rank materialises its own units in setup().
-    torch.manual_seed(int(cfg.seed))
+    torch.manual_seed(cfg.seed)
     full = meta_model(adapter, spec)
     partition = partition_model(adapter, full, cfg.masker, spec)
     # With FSDP the plan is made over the replicas; the S ranks of a replica own the same units.
-    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners), plan_nodes(cfg, world_size))
-    return data, spec, adapter, full, partition, plan.replicated(int(cfg.fsdp.shard_size))
+    plan = make_plan(masker, partition, replicas, cfg.seed, cfg.masker.min_owners, plan_nodes(cfg, world_size))
+    return data, spec, adapter, full, partition, plan.replicated(cfg.fsdp.shard_size)
 
 
 def preflight(cfg: DictConfig, world_size: int, pm: PluginManager, machine: bool = True) -> MaskPlan:
@@ -99,24 +101,27 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
           on_context: Callable[[RunContext], None] | None = None) -> tuple[RunContext, TrainState]:
     """Build everything a rank needs: the frozen run context and the training state.
 
-    Bad input fails before the process group exists. ``cfg`` gets the run name rank 0 chose when it
-    had none (``run.name``); the context holds a read-only copy of it. ``on_context`` is called with
-    the context as soon as it exists (the run directory is then this job's), before the state is built.
+    Bad input fails before the process group exists. ``cfg`` is read, never written: the context
+    holds a read-only copy of it, its typed :class:`~subnetdp.core.config.Settings` (made here, once),
+    and what the run derives from it (the FLOP-matched step count, the run name rank 0 made when
+    ``run.name`` is empty). ``on_context`` is called with the context as soon as it exists (the run
+    directory is then this job's), before the state is built.
     """
+    settings = config_mod.Settings.from_config(cfg)
     comm: Communicator = pm.registries["comm"].create(cfg.comm.name, cfg.comm, env)
     comm.check_environment()
-    if cfg.train.device == "cuda" and comm.device.type != "cuda":
-        raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
+    if settings.train.device == "cuda" and comm.device.type != "cuda":
+        raise ConfigError("train.device", "cuda", f"comm.name={settings.comm.name} computes on {comm.device.type}",
                           "use comm.name=nccl for GPUs")
     data, spec, adapter, full, partition, plan = build_plan(cfg, env.world_size, pm)
     ratios = count_flops(cfg, adapter, spec, full, partition, plan, data)
     flop_match = match_flops(cfg, ratios)  # train.flop_matched
     # Every rank runs train.grad_accum micro-batches a step, each costing its share of the full model's.
-    step_flops = ratios.full_train_step * sum(ratios.per_rank_train_step) * int(cfg.train.grad_accum)
-    if cfg.train.compile:
+    step_flops = ratios.full_train_step * sum(ratios.per_rank_train_step) * settings.train.grad_accum
+    if settings.train.compile:
         from subnetdp.parallel.compile import require_compilable
 
-        require_compilable(comm.device, str(cfg.train.compile_backend))
+        require_compilable(comm.device, settings.train.compile_backend)
 
     tasks = load_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     check_resume_source(cfg)  # a damaged manifest fails here, on every rank
@@ -127,7 +132,8 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
     frozen = copy.deepcopy(cfg)  # the caller keeps its own config; the run's cannot change under it
     OmegaConf.set_readonly(frozen, True)
     ctx = RunContext(cfg=frozen, env=env, comm=comm, plugins=pm, adapter=adapter, data=data, spec=spec,
-                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match, step_flops=step_flops)
+                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match, step_flops=step_flops,
+                     settings=settings)
     if on_context is not None:
         on_context(ctx)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
@@ -141,19 +147,19 @@ def count_flops(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, full: to
     rank and in ``subnetdp plan``)."""
     from subnetdp.sdp.flops import plan_flops
 
-    return plan_flops(adapter, full, partition, plan, cfg.masker, data.example_batch(spec, int(cfg.train.batch_size)))
+    return plan_flops(adapter, full, partition, plan, cfg.masker, data.example_batch(spec, cfg.train.batch_size))
 
 
 def match_flops(cfg: DictConfig, ratios: FlopRatios) -> dict[str, Any] | None:
-    """``train.flop_matched``: set ``train.steps`` to the step count whose training FLOPs equal
-    ``train.steps`` steps of the full model, ``round(steps / r)`` with ``r`` the plan's training-FLOP
-    ratio. Everything that follows the step count (the schedule, checkpoints, the end) then spans
-    the new count. Returns what the summary records, or None."""
+    """``train.flop_matched``: the step count whose training FLOPs equal ``train.steps`` steps of the
+    full model, ``round(steps / r)`` with ``r`` the plan's training-FLOP ratio. It goes on the run
+    context (:attr:`~subnetdp.core.contracts.RunContext.steps`), not into the config: everything that
+    follows the step count (the schedule, checkpoints, the end) spans it, and the stored config still
+    says what was asked for. Returns what the summary records, or None."""
     if not cfg.train.flop_matched:
         return None
-    requested = int(cfg.train.steps)
-    OmegaConf.update(cfg, "train.steps", ratios.matched_steps(requested))
-    return {"steps_requested": requested, "steps": int(cfg.train.steps), "train_flop_ratio": ratios.train_step}
+    requested: int = cfg.train.steps
+    return {"steps_requested": requested, "steps": ratios.matched_steps(requested), "train_flop_ratio": ratios.train_step}
 
 
 def check_ranks_agree(comm: Communicator, plan: MaskPlan, cfg: DictConfig, pm: PluginManager) -> None:
@@ -201,14 +207,14 @@ def describe_disagreement(everyone: list[dict[str, Any]]) -> str | None:
 
 
 def resolve_run_dir(cfg: DictConfig, comm: Communicator) -> Path:
-    """``run.dir/run.name``; a missing name is made once on rank 0 (with a timestamp) and shared."""
-    name = str(cfg.run.name)
+    """``run.dir/run.name``; a missing name is made once on rank 0 (with a timestamp) and shared. The
+    name made lives in the returned path (the context's ``run_dir``), not in ``cfg``."""
+    name: str = cfg.run.name
     if not name:
         name = config_mod.default_run_name(cfg, comm.world_size) + time.strftime("-%Y%m%d-%H%M%S")
         # collective: rank 0's name wins, so lazily made names never differ by rank.
         name = comm.all_gather_object(name)[0]
-        OmegaConf.update(cfg, "run.name", name)
-    run_dir = Path(str(cfg.run.dir)) / name
+    run_dir = Path(cfg.run.dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 

@@ -142,7 +142,7 @@ class TrainState(TrainStateView):
         # collective when sharded: activation checkpointing, compile and FSDP, from outside the model.
         self._parallel.apply(model, ctx.adapter)
         self._optimizer = build_optimizer(cfg.optim, model.parameters())
-        self._scheduler = build_schedule(cfg.optim, self._optimizer, int(cfg.train.steps), start=self._step)
+        self._scheduler = build_schedule(cfg.optim, self._optimizer, ctx.steps, start=self._step)
         # collective: every rank creates every owner group, in the same order.
         self._sync = make_synchronizer(self._settings, model, pmap, plan, self._partition, ctx.comm,
                                        sharded=self._parallel.sharding(), last_good=self._last_good)
@@ -211,7 +211,7 @@ class TrainState(TrainStateView):
                            guard=self._guard, scheduler=self._scheduler, refresher=self._refresher,
                            accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
                            autocast=self._parallel.autocast, device=self._ctx.comm.device,
-                           last_step=int(cfg.train.steps), fault=step_faults(self._ctx.rank, self._ctx.run_dir))
+                           last_step=self._ctx.steps, fault=step_faults(self._ctx.rank, self._ctx.run_dir))
 
     def train_step(self, batches: Iterator[Any], *, step: int, need_norm: bool = False,
                    probe: Callable[[list[Any]], None] | None = None,

@@ -42,7 +42,7 @@ SUMMARY = records.Record({"steps": records.Int(0)},
 
 def check_run_dir(cfg: DictConfig) -> None:
     """``run.dir`` is (or can be made) a folder this process can write into."""
-    raw = str(cfg.run.dir)
+    raw = cfg.run.dir
     where = Path(raw)
     fix = "choose a folder you can write to, e.g. run.dir=runs"
     if where.exists() and not where.is_dir():
@@ -58,7 +58,7 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 def check_batch_fits(cfg: DictConfig, data: Any, world_size: int) -> None:
     """Every rank's shard holds at least one batch of ``train.batch_size``."""
-    batch = int(cfg.train.batch_size)
+    batch = cfg.train.batch_size
     for rank in sorted({0, world_size - 1}):
         try:
             data.train_loader(rank, world_size, batch)
@@ -72,14 +72,14 @@ def check_config(cfg: DictConfig, registries: dict[str, Any]) -> None:
     """``train.device`` agrees with the communicator's device; ``run.overwrite`` deletes nothing that
     ``resume`` would continue from."""
     comm = registries["comm"].get(cfg.comm.name)
-    device, kind = str(cfg.train.device), comm.device_type(cfg.comm)
+    device, kind = cfg.train.device, comm.device_type(cfg.comm)
     if device != "auto" and device != kind:
         fix = ("use comm.name=nccl for GPUs (comm.device=cuda with comm.name=mpi), or train.device=auto"
                if device == "cuda" else f"use train.device=auto, or a communicator that computes on {device}")
         raise ConfigError("train.device", device, f"comm.name={cfg.comm.name} computes on {kind}", fix)
     if not cfg.run.overwrite:
         return
-    resume = str(cfg.resume)
+    resume = cfg.resume
     if resume == "auto" or (resume != "never" and _inside(Path(resume), run_dir_of(cfg))):
         raise ConfigError("run.overwrite", True, f"would delete the run that resume={resume} continues from",
                           "drop run.overwrite to continue the run, or resume=never to start it again")
@@ -94,12 +94,12 @@ def check_backend(cfg: DictConfig, registries: dict[str, Any], world_size: int) 
     """
     cls = registries["comm"].get(cfg.comm.name)
     cls.check_world_size(world_size)
-    cls.check_machine(str(cfg.comm.name))
+    cls.check_machine(cfg.comm.name)
     if cls.device_type(cfg.comm) == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            key, value = ("comm.device", "cuda") if "device" in cfg.comm else ("comm.name", str(cfg.comm.name))
+            key, value = ("comm.device", "cuda") if "device" in cfg.comm else ("comm.name", cfg.comm.name)
             raise ConfigError(key, value, "computes on a CUDA GPU, but this machine has none visible "
                               "(torch.cuda.is_available() is False)", "train on CPUs with comm.name=gloo")
 
@@ -116,7 +116,7 @@ RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl", "summary.json", "tenso
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
-    return Path(str(cfg.run.dir)) / str(cfg.run.name)
+    return Path(cfg.run.dir) / cfg.run.name
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -143,14 +143,14 @@ def check_new_run(cfg: DictConfig, remove: bool = True) -> None:
         return
     run_dir = run_dir_of(cfg)
     found = [name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
-    resume = str(cfg.resume)
+    resume = cfg.resume
     if not found or resume == "auto" or (resume != "never" and _inside(Path(resume), run_dir)):
         return
     job = runlock.job_id()
     if job and runlock.lock_info(run_dir).get("job") == job:
         return  # torchrun restarted this job's group: its own first group wrote these files
     if not cfg.run.overwrite:
-        raise ConfigError("run.name", str(cfg.run.name), f"{run_dir} already holds a run ({', '.join(found)}): a new "
+        raise ConfigError("run.name", cfg.run.name, f"{run_dir} already holds a run ({', '.join(found)}): a new "
                           "run there would mix its metrics, TensorBoard curves and summary with the old ones",
                           "continue it with resume=auto, choose another run.name, or set run.overwrite=true to "
                           "delete the old run first")
@@ -172,9 +172,9 @@ def finished_run(cfg: DictConfig) -> str | None:
 
     Finished means its summary records ``train.steps`` steps; the run directory is left as it is.
     """
-    if str(cfg.resume) != "auto" or not cfg.run.name:
+    if cfg.resume != "auto" or not cfg.run.name:
         return None
-    summary = Path(str(cfg.run.dir)) / str(cfg.run.name) / "summary.json"
+    summary = Path(cfg.run.dir) / cfg.run.name / "summary.json"
     fix = f"the run's summary is damaged: delete {summary} (resume=auto then continues from the newest checkpoint)"
     try:
         done = records.read_json(summary)
@@ -184,7 +184,7 @@ def finished_run(cfg: DictConfig) -> str | None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"{summary}: cannot be read as JSON ({first}): {fix}") from None
     records.check(SUMMARY, done, summary, fix)
-    if done["steps"] < int(cfg.train.steps):
+    if done["steps"] < cfg.train.steps:
         return None
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in (done.get("eval") or {}).items())
     return (f"run {summary.parent} already finished its {done['steps']} steps ({summary}"

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from subnetdp.core.contracts import LaunchEnv
 from subnetdp.sdp.flops import plan_flops
@@ -34,7 +35,7 @@ def _config(run_dir: Path, *extra: str, init_method: str = "file:///unused"):
 def _train(rank: int, world: int, init_method: str, run_dir: str, extra: tuple[str, ...]) -> dict:
     cfg = _config(Path(run_dir), *extra, init_method=init_method)
     ctx, state, result = train(cfg, LaunchEnv(rank, world, rank, world, "test"), plugin_manager())
-    return {"steps": int(ctx.cfg.train.steps), "summary": result.summary, "lr": state.optimizer.param_groups[0]["lr"],
+    return {"steps": ctx.steps, "asked": ctx.cfg.train.steps, "summary": result.summary, "lr": state.optimizer.param_groups[0]["lr"],
             "params": {n: digest(p) for n, p in state.model.named_parameters()}}
 
 
@@ -50,7 +51,10 @@ def test_flop_matched_steps_schedule_summary_and_resume(tmp_path, capfd):
     assert started.count(f"train.flop_matched: 6 -> {matched} steps") == 1, started[-2000:]
     for r in first:
         assert r["steps"] == r["summary"]["steps"] == matched
+        assert r["asked"] == 6  # the matched count is the context's: the config says what was asked for
         assert r["summary"]["flop_matched"] == {"steps_requested": 6, "steps": matched, "train_flop_ratio": ratio}
+    stored = OmegaConf.load(tmp_path / "a" / "fm" / "config.yaml")
+    assert stored.train.steps == 6 and stored.train.flop_matched and stored.run.name == "fm"
     # The stretched schedule ends where the unstretched one does (cosine to zero at its last step).
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(cfg.optim.lr))
     plain = build_schedule(cfg.optim, opt, 6, start=6)

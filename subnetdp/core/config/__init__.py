@@ -22,3 +22,4 @@ from subnetdp.core.config.composition import (  # noqa: F401
 from subnetdp.core.config.docs import (  # noqa: F401
     documented_keys, declared_keys, key_table,
 )
+from subnetdp.core.config.settings import Settings  # noqa: F401,E402

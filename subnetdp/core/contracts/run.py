@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from omegaconf import DictConfig
 
+    from subnetdp.core.config.settings import Settings
     from subnetdp.core.plan import MaskPlan
 
 from subnetdp.core.contracts.types import DataSpec, LaunchEnv, ParamMap, Partition
@@ -43,10 +44,15 @@ class RunContext:
         run_dir: ``run.dir/run.name``.
         lock: rank 0's hold on ``run_dir`` (one job per run directory), None on other ranks.
         tasks: ``eval.tasks``: the lm-eval tasks, loaded with their data at set-up; else None.
-        flop_match: ``train.flop_matched``: the steps asked for, the steps trained (``cfg.train.steps``)
-            and the plan's training-FLOP ratio; else None.
+        flop_match: ``train.flop_matched``: the steps asked for (``train.steps``), the steps trained
+            (:attr:`steps`) and the plan's training-FLOP ratio; else None.
         step_flops: training FLOPs of one step summed over all ranks (every micro-batch's forward
             and backward, counted on ``meta``): the x-axis on which runs of any coverage compare.
+        settings: the config as typed values (:class:`~subnetdp.core.config.Settings`), read once by
+            set-up (None only in a context built by hand around a partial config).
+
+    What the run derives from its config is here, never written back into it: :attr:`steps` (the
+    FLOP-matched count) and ``run_dir`` (with the name rank 0 made when ``run.name`` is empty).
     """
 
     cfg: "DictConfig"
@@ -61,6 +67,19 @@ class RunContext:
     tasks: Any = None
     flop_match: Optional[dict] = None
     step_flops: Optional[float] = None
+    settings: Optional["Settings"] = None
+
+    @property
+    def steps(self) -> int:
+        """The steps this run trains: ``train.steps``, or with ``train.flop_matched`` the matched count."""
+        if self.flop_match:
+            return int(self.flop_match["steps"])
+        return self.settings.train.steps if self.settings is not None else int(self.cfg.train.steps)
+
+    @property
+    def run_name(self) -> str:
+        """The run directory's name: ``run.name``, or the one rank 0 made when it was empty."""
+        return self.run_dir.name
 
     @property
     def rank(self) -> int:

@@ -85,19 +85,20 @@ def check_config(cfg: Any) -> None:
 AUTO_FINAL_MIN_STEPS = 1000  # checkpoint.final=auto: runs this long keep their final checkpoint
 
 
-def final_wanted(cfg: Any) -> bool:
+def final_wanted(cfg: Any, steps: int | None = None) -> bool:
     """Whether the checkpoint after the last step is written (``checkpoint.final``).
 
     ``auto`` writes it when the run asked for checkpoints (``checkpoint.every > 0``), can be
     resumed (``resume`` is not ``never``) or is long (``train.steps >= AUTO_FINAL_MIN_STEPS``):
     a short trial keeps its summary and metrics but not a full copy of its weights and optimizer
     state, so 25 short trials do not fill a disk. ``always`` / ``never`` decide it outright.
+    ``steps``: the steps the run trains (the context's, FLOP-matched or not); ``train.steps`` if None.
     """
     final = str(cfg.checkpoint.final)
     if final != "auto":
         return final == "always"
     return (int(cfg.checkpoint.every) > 0 or str(cfg.resume) != "never"
-            or int(cfg.train.steps) >= AUTO_FINAL_MIN_STEPS)
+            or (int(cfg.train.steps) if steps is None else steps) >= AUTO_FINAL_MIN_STEPS)
 
 
 class Checkpointer:
@@ -143,8 +144,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ saving
     def after_step(self, step: int) -> None:
         """Save when ``checkpoint.every`` divides ``step`` and after the last step. Collective then."""
-        every, last = int(self.cfg.checkpoint.every), int(self.cfg.train.steps)
-        if self.cfg.checkpoint.enabled and ((step == last and final_wanted(self.cfg)) or (every and step % every == 0)):
+        every, last = int(self.cfg.checkpoint.every), self.ctx.steps
+        if self.cfg.checkpoint.enabled and ((step == last and final_wanted(self.cfg, last)) or (every and step % every == 0)):
             self.save(step)
         faults.fault_point(faults.KILL_AT_STEP, step, self.rank, self.ctx.run_dir)
 
