@@ -21,6 +21,8 @@ whole. When nothing fits, the same search runs with each remedy and reports whic
 """
 from __future__ import annotations
 
+import copy
+
 import re
 from typing import Any, Callable
 
@@ -79,7 +81,9 @@ def candidates(partition: Any, group_by: str) -> list[float]:
 
 
 def with_overrides(cfg: DictConfig, **values: Any) -> DictConfig:
-    new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    """A copy of ``cfg`` with ``values`` (dotted keys): typed by the same schemas, ``cfg`` left as it is."""
+    new = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(new, False)
     for k, v in values.items():
         OmegaConf.update(new, k, v, force_add=True)
     return new
@@ -98,7 +102,7 @@ class BudgetSearch:
         self._cache: dict[tuple, Any] = {}
 
     def replicas(self, cfg: DictConfig) -> int:
-        return self.world // int(cfg.fsdp.shard_size)
+        return self.world // cfg.fsdp.shard_size
 
     def evaluate(self, overrides: dict[str, Any], probe_rank_coverage: float | None = None) -> dict[str, Any] | None:
         """The plan report of the config with ``overrides`` (None when the plan or config is invalid).
@@ -143,7 +147,7 @@ class BudgetSearch:
         if key not in self._cache:
             cfg = with_overrides(self.cfg, **{"masker.coverage": coverage, "masker.capacity": []})
             data, spec, _, adapter, partition, plan = shape_plan(cfg, self.world, self.pm)
-            self._cache[key] = flop_report(cfg, adapter, spec, partition, plan.replicas(int(cfg.fsdp.shard_size)), data)
+            self._cache[key] = flop_report(cfg, adapter, spec, partition, plan.replicas(cfg.fsdp.shard_size), data)
         return self._cache[key]
 
     def flop_counts(self) -> list[dict[str, Any]]:
@@ -204,16 +208,16 @@ def remedies(cfg: DictConfig, world_size: int) -> list[tuple[str, dict[str, Any]
     same global batch at a lower arithmetic intensity); bf16 last, because it changes the arithmetic.
     """
     out: list[tuple[str, dict[str, Any]]] = []
-    if int(cfg.train.activation_checkpointing) != 1:
+    if cfg.train.activation_checkpointing != 1:
         out.append(("activation checkpointing", {"train.activation_checkpointing": 1}))
     for s in range(2, world_size + 1):
-        if world_size % s == 0 and s > int(cfg.fsdp.shard_size):
+        if world_size % s == 0 and s > cfg.fsdp.shard_size:
             out.append((f"FSDP shards of {s}", {"fsdp.shard_size": s}))
-    b, a = int(cfg.train.batch_size), int(cfg.train.grad_accum)
+    b, a = cfg.train.batch_size, cfg.train.grad_accum
     while b > 1 and b % 2 == 0:
         b, a = b // 2, a * 2
         out.append((f"micro-batch {b} x {a} accumulated (same global batch)", {"train.batch_size": b, "train.grad_accum": a}))
-    if str(cfg.train.precision) != "bf16":
+    if cfg.train.precision != "bf16":
         out.append(("bf16", {"train.precision": "bf16"}))
     return out
 
@@ -295,7 +299,7 @@ def budget_search(cfg: DictConfig, world_size: int, pm: Any, budgets: list[int],
         result["tried"] = search.tried
         return result
     # One budget per rank: each rank's own largest coverage, on the probe plan.
-    R = world_size // int(cfg.fsdp.shard_size)
+    R = world_size // cfg.fsdp.shard_size
     S = world_size // R
     per_replica = [min(usable[r * S:(r + 1) * S]) for r in range(R)]  # a replica's ranks hold one subnetwork
     chosen: dict[int, float | None] = {}

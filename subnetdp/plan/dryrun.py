@@ -113,7 +113,7 @@ def fake_rank_model(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: 
         model, pmap = local_model(adapter, build_model(adapter, spec), plan.owned[rank], partition, cfg.masker)
     fake_module(model, fake)
     model.train()
-    return model, pmap, apply_ac(adapter.blocks(model), int(cfg.train.activation_checkpointing))
+    return model, pmap, apply_ac(adapter.blocks(model), cfg.train.activation_checkpointing)
 
 
 def micro_batches(accum: int) -> int:
@@ -142,7 +142,7 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
     comm = DryRunCommunicator(rank, plan.world_size)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model, pmap, checkpointed = fake_rank_model(cfg, adapter, spec, partition, plan, rank, fake)
-    autocast = autocast_for(str(cfg.train.precision), "cpu", False, bool(checkpointed))
+    autocast = autocast_for(cfg.train.precision, "cpu", False, bool(checkpointed))
     with fake:
         fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
         optimizer = build_optimizer(cfg.optim, model.parameters())
@@ -154,15 +154,15 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         if regime_of(cfg.masker).refreshes:
             from subnetdp.sdp.backward import Refresher
 
-            refresher = Refresher(model, pmap, plan, partition, comm, int(cfg.masker.refresh_every),
-                                  float(cfg.sync.bucket_cap_mb))
+            refresher = Refresher(model, pmap, plan, partition, comm, cfg.masker.refresh_every,
+                                  cfg.sync.bucket_cap_mb)
         # The loop measures step min(train.memory_step, train.steps); one earlier step creates the
         # optimizer state it starts with.
-        measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
-        every = max(1, int(cfg.masker.refresh_every))
+        measured = min(cfg.train.memory_step, cfg.train.steps)
+        every = max(1, cfg.masker.refresh_every)
         ctx = StepContext(model=model, adapter=adapter, sync=averager, optimizer=optimizer, guard=DryRunGuard(comm),
-                          refresher=refresher, accum=micro_batches(int(cfg.train.grad_accum)),
-                          clip=float(cfg.optim.clip_grad_norm), autocast=lambda: autocast)
+                          refresher=refresher, accum=micro_batches(cfg.train.grad_accum),
+                          clip=cfg.optim.clip_grad_norm, autocast=lambda: autocast)
 
         def step(n: int) -> None:
             # The earlier step only creates the optimizer state (gradients are dropped before the
@@ -184,11 +184,11 @@ def estimate_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, partition: Pa
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     averager.remove_hooks()
     peak = tracker.peak
-    if str(cfg.sync.mode) == "local_steps":
+    if cfg.sync.mode == "local_steps":
         # One synchronisation's buckets every sync.every steps; the outer state (anchor, and momentum
         # unless it is 0) is one copy of the trained parameters each, counted on the host too.
-        grad_bytes /= int(cfg.sync.every)
-        copies = 2 if float(cfg.sync.outer_momentum) > 0 else 1
+        grad_bytes /= cfg.sync.every
+        copies = 2 if cfg.sync.outer_momentum > 0 else 1
         peak += copies * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return {"peak_memory_bytes": int(peak), "bytes_per_step": float(grad_bytes),
             "params_held": int(params), "params_trained": int(trainable), "dense_sync": bool(averager.dense)}

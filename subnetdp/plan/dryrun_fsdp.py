@@ -44,7 +44,7 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
     """
     if FakeGroupCommunicator.initialized():
         raise RuntimeError("the sharded dry run needs a process without a process group")
-    shard = int(cfg.fsdp.shard_size)
+    shard = cfg.fsdp.shard_size
     comm = FakeGroupCommunicator(rank, plan.world_size)
     comm.init()
     try:
@@ -53,21 +53,21 @@ def estimate_sharded_rank(cfg: Any, adapter: ModelAdapter, spec: DataSpec, parti
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model, pmap, _ = fake_rank_model(cfg, adapter, spec, partition, plan, rank, fake)
         with fake:
-            apply_fsdp(model, adapter.blocks(model), mesh["shard"], mixed_precision(str(cfg.train.precision)),
-                       bool(cfg.fsdp.reshard_after_forward))
+            apply_fsdp(model, adapter.blocks(model), mesh["shard"], mixed_precision(cfg.train.precision),
+                       cfg.fsdp.reshard_after_forward)
             optimizer = build_optimizer(cfg.optim, model.parameters())
             averager = make_synchronizer(SyncSettings.from_config(cfg), model, pmap, plan, partition, comm,
-                                         sharded=Sharding(shard, bool(cfg.fsdp.reduce_each_micro_batch)))
+                                         sharded=Sharding(shard, cfg.fsdp.reduce_each_micro_batch))
             fbatch = tuple(fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
             ctx = StepContext(model=model, adapter=adapter, sync=averager, optimizer=optimizer, guard=DryRunGuard(comm),
-                              accum=micro_batches(int(cfg.train.grad_accum)), clip=float(cfg.optim.clip_grad_norm))
+                              accum=micro_batches(cfg.train.grad_accum), clip=cfg.optim.clip_grad_norm)
 
             def step(n: int) -> None:
                 # The earlier step only creates the optimizer state (gradients are dropped before the
                 # measured one): one micro-batch makes the same state as all of them.
                 train_step(ctx if n == measured else dataclasses.replace(ctx, accum=1), itertools.repeat(fbatch), step=n)
 
-            measured = min(int(cfg.train.memory_step), int(cfg.train.steps))
+            measured = min(cfg.train.memory_step, cfg.train.steps)
             if measured > 1:
                 averager.prepare()
                 step(measured - 1)  # the optimizer state the measured step starts with

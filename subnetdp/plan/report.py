@@ -41,7 +41,7 @@ def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, D
     from subnetdp.sdp.variants import partition_model
 
     regs = pm.registries
-    data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=int(cfg.seed))
+    data: DataModule = regs["data"].create(cfg.data.name, cfg.data, seed=cfg.seed)
     spec, source = data.planning_spec()
     adapter: ModelAdapter = regs["model"].create(cfg.model.name, cfg.model)
     masker = regs["masker"].create(cfg.masker.name, cfg.masker)
@@ -52,8 +52,8 @@ def shape_plan(cfg: DictConfig, world_size: int, pm: Any) -> tuple[DataModule, D
     fake_module(full, fake)  # unit costs are measured by running blocks on fake tensors
     with fake:
         partition = partition_model(adapter, full, cfg.masker, spec)
-    plan = make_plan(masker, partition, replicas, int(cfg.seed), int(cfg.masker.min_owners), plan_nodes(cfg, world_size))
-    return data, spec, source, adapter, partition, plan.replicated(int(cfg.fsdp.shard_size))
+    plan = make_plan(masker, partition, replicas, cfg.seed, cfg.masker.min_owners, plan_nodes(cfg, world_size))
+    return data, spec, source, adapter, partition, plan.replicated(cfg.fsdp.shard_size)
 
 
 def shape_key(partition: Partition, plan: MaskPlan, rank: int, shard: int = 1) -> tuple:
@@ -71,7 +71,7 @@ def shape_key(partition: Partition, plan: MaskPlan, rank: int, shard: int = 1) -
 
 def estimator_for(cfg: DictConfig) -> Any:
     """The dry run of one rank: unsharded, or FSDP2 over torch's fake process group."""
-    if int(cfg.fsdp.shard_size) > 1:
+    if cfg.fsdp.shard_size > 1:
         from subnetdp.plan.dryrun_fsdp import estimate_sharded_rank  # FSDP2 over torch's fake process group
 
         return estimate_sharded_rank
@@ -84,15 +84,15 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     ``flops=False``: no FLOP count, which costs more than a dry run on the 1B model)."""
     data, spec, source, adapter, partition, plan = shape_plan(cfg, world_size, pm)
     report = plan.to_dict(partition)
-    owner_sets, max_groups = len(plan.owner_sets()), int(cfg.sync.max_groups)
-    report.update({"granularity": partition.granularity, "regime": str(cfg.masker.regime),
-                   "masker": str(cfg.masker.name), "coverage": float(cfg.masker.coverage),
+    owner_sets, max_groups = len(plan.owner_sets()), cfg.sync.max_groups
+    report.update({"granularity": partition.granularity, "regime": cfg.masker.regime,
+                   "masker": cfg.masker.name, "coverage": cfg.masker.coverage,
                    "capacity": [float(c) for c in cfg.masker.capacity],
                    "owner_sets": owner_sets, "max_groups": max_groups,
                    "sync": "dense" if uses_dense_sync(owner_sets, max_groups) else "grouped",
                    "data_spec": dict(spec.__dict__), "data_source": source,
                    "full_model_params": partition.shared_numel() + sum(partition.unit_numel(u) for u in partition.units)})
-    shard = int(cfg.fsdp.shard_size)
+    shard = cfg.fsdp.shard_size
     if shard > 1:
         report["fsdp_shard_size"] = shard
     report["failures"] = failure_tolerance(cfg, pm, partition, plan.replicas(shard))
@@ -101,7 +101,7 @@ def plan_report(cfg: DictConfig, world_size: int, pm: Any, estimate: bool = True
     report["assumes"] = assumptions(cfg, spec)
     estimator = estimator_for(cfg)
     cache: dict[tuple, dict[str, Any]] = {}
-    batch = data.example_batch(spec, int(cfg.train.batch_size)) if estimate else None
+    batch = data.example_batch(spec, cfg.train.batch_size) if estimate else None
     ranks = []
     total_units = max(1, len(partition.units))
     for r in range(world_size):
@@ -139,7 +139,7 @@ def failure_tolerance(cfg: DictConfig, pm: Any, partition: Partition, replicas: 
         out["nodes_survived"] = replicas.node_failures_survived(replicas.nodes)
     if not list(cfg.masker.capacity) and replicas.world_size > 1:  # per-rank capacities have no one coverage to name
         masker = pm.registries["masker"].create(cfg.masker.name, cfg.masker)
-        out["coverage_for_one"] = smallest_coverage(masker, partition, replicas.world_size, int(cfg.seed), 2)
+        out["coverage_for_one"] = smallest_coverage(masker, partition, replicas.world_size, cfg.seed, 2)
     return out
 
 
@@ -151,8 +151,8 @@ def flop_report(cfg: DictConfig, adapter: ModelAdapter, spec: DataSpec, partitio
     from subnetdp.sdp.flops import plan_flops
 
     ratios = plan_flops(adapter, meta_model(adapter, spec), partition, plan, cfg.masker,
-                        data.example_batch(spec, int(cfg.train.batch_size)))
-    steps = int(cfg.train.steps)
+                        data.example_batch(spec, cfg.train.batch_size))
+    steps = cfg.train.steps
     return {**ratios.to_dict(), "steps": steps, "flop_matched_steps": ratios.matched_steps(steps)}
 
 
@@ -247,10 +247,10 @@ def rank_table(report: dict[str, Any]) -> list[str]:
 
 def assumptions(cfg: DictConfig, spec: DataSpec) -> dict[str, Any]:
     """What the memory estimate of one training step depends on beyond the plan, from the config."""
-    return {"precision": str(cfg.train.precision), "micro_batch": int(cfg.train.batch_size),
-            "grad_accum": int(cfg.train.grad_accum), "seq_len": int(spec.seq_len),
-            "activation_checkpointing": int(cfg.train.activation_checkpointing),
-            "optimizer": str(cfg.optim.name)}
+    return {"precision": cfg.train.precision, "micro_batch": cfg.train.batch_size,
+            "grad_accum": cfg.train.grad_accum, "seq_len": int(spec.seq_len),
+            "activation_checkpointing": cfg.train.activation_checkpointing,
+            "optimizer": cfg.optim.name}
 
 
 def assumptions_line(a: dict[str, Any]) -> str:
