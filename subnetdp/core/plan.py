@@ -314,7 +314,7 @@ def rank_coverages(mcfg: Any, world_size: int) -> list[float]:
 
     capacity = [float(c) for c in mcfg.capacity]
     if not capacity:
-        return [float(mcfg.coverage)] * world_size
+        return [mcfg.coverage] * world_size
     if len(capacity) != world_size:
         raise ConfigError("masker.capacity", capacity, f"has {len(capacity)} entries for {world_size} ranks "
                           "(replicas, with fsdp.shard_size > 1)", "give one coverage per rank, or [] for masker.coverage")
@@ -332,7 +332,7 @@ def smallest_coverage(masker: "Any", partition: Partition, world_size: int, seed
     ``n / K_g`` for every group of ``K_g`` units."""
     import copy
 
-    groups = group_units(partition, str(masker.cfg.group_by))
+    groups = group_units(partition, masker.cfg.group_by)
     candidates = sorted({n / len(g) for g in groups.values() for n in range(1, len(g) + 1) if n / len(g) > above})
     for c in candidates:
         cfg = copy.deepcopy(masker.cfg)
@@ -344,7 +344,7 @@ def smallest_coverage(masker: "Any", partition: Partition, world_size: int, seed
 
 def _coverage_hint(masker: "Any", partition: Partition, world_size: int, seed: int, min_owners: int) -> str:
     """The smallest coverage, and the smallest world size, for which the masker covers every unit."""
-    requested = float(masker.cfg.coverage)
+    requested = masker.cfg.coverage
     hints = []
     c = smallest_coverage(masker, partition, world_size, seed, min_owners, above=requested)
     if c is not None:
@@ -416,5 +416,5 @@ def make_plan(masker: "Any", partition: Partition, world_size: int, seed: int, m
     if min_owners > world_size:
         raise PlanError(f"masker.min_owners={min_owners} exceeds the world size {world_size}")
     if not masker.cfg.capacity:  # with capacities, ranks differ on purpose
-        plan.warn_coverage(partition, float(masker.cfg.coverage), str(masker.cfg.group_by))
+        plan.warn_coverage(partition, masker.cfg.coverage, masker.cfg.group_by)
     return plan

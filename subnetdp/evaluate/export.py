@@ -254,10 +254,10 @@ def evaluate_checkpoint(path: str | Path, pm: PluginManager | None = None,
 
 def _data(loaded: LoadedUnion, pm: PluginManager) -> Any:
     cfg = loaded.cfg
-    data = pm.registries["data"].get(cfg.data.name)(cfg.data, seed=int(cfg.seed))
+    data = pm.registries["data"].get(cfg.data.name)(cfg.data, seed=cfg.seed)
     data.check()
     if data.spec() != loaded.spec:
-        raise ConfigError("data.name", str(cfg.data.name), f"gives data of shape {data.spec()}, the checkpoint's "
+        raise ConfigError("data.name", cfg.data.name, f"gives data of shape {data.spec()}, the checkpoint's "
                           f"model was trained on {loaded.spec}", "choose data of the same kind and size "
                           "(e.g. the same data.image_size)")
     return data
@@ -281,18 +281,18 @@ def export(path: str | Path, out: str | Path, recalibrate: bool = True, pm: Plug
     if options is None:
         raise SubnetdpError(f"model plugin '{cfg.model.name}' does not say how to rebuild its reference "
                             "architecture (reference_options / reference_model): it cannot be exported")
-    n_cal = int(cfg.eval.bn_recalibrate_batches) if recalibrate else 0
+    n_cal = cfg.eval.bn_recalibrate_batches if recalibrate else 0
     if n_cal > 0:
-        batches = iter(_data(loaded, pm).train_loader(0, 1, int(cfg.train.batch_size)))
+        batches = iter(_data(loaded, pm).train_loader(0, 1, cfg.train.batch_size))
         n_cal = recalibrate_batchnorm(model, batches, n_cal, loaded.adapter.inputs)
     # The model's own tensors (views): written one at a time, never copied as a whole.
     state = loaded.adapter.reference_state_dict(model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "run_id": loaded.manifest["run_id"],
+    meta = {"format": EXPORT_FORMAT, "model": cfg.model.name, "run_id": loaded.manifest["run_id"],
             "step": str(loaded.manifest["step"])}
     ck.write_atomic(out / "model.safetensors", lambda p: ck.save_safetensors(p, state, meta))
-    info = {"format": EXPORT_FORMAT, "model": str(cfg.model.name), "options": options,
+    info = {"format": EXPORT_FORMAT, "model": cfg.model.name, "options": options,
             "checkpoint": str(loaded.path), "run_id": loaded.manifest["run_id"], "step": loaded.manifest["step"],
             "bn_recalibrated_batches": n_cal, "branch_scales_folded": loaded.branch_scales,
             "rebuild": "subnetdp.evaluate.export.load_reference(OUT), or the plugin's reference_model(options) "

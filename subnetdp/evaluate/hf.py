@@ -31,7 +31,7 @@ EOT = "<|endoftext|>"
 def run_tokenizer(loaded: Any, pm: PluginManager) -> Any:
     """The tokenizer of the run's data (None when the data module does not know it)."""
     cfg = loaded.cfg
-    data = pm.registries["data"].get(cfg.data.name)(cfg.data, seed=int(cfg.seed))
+    data = pm.registries["data"].get(cfg.data.name)(cfg.data, seed=cfg.seed)
     return data.tokenizer()
 
 

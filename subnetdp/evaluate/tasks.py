@@ -46,7 +46,7 @@ def evaluate_checkpoint_tasks(path: str | Path, tasks: Sequence[str], include_pa
                             "(DataModule.tokenizer()): lm-eval needs one to turn text into tokens")
     model = loaded.model.to(dev).eval()
     lm = make_lm(model, tok, dev, int(loaded.spec.seq_len) or 2048, batch_size)
-    results = run_tasks(lm, loaded_tasks, limit, num_fewshot, seed=int(loaded.cfg.seed))
+    results = run_tasks(lm, loaded_tasks, limit, num_fewshot, seed=loaded.cfg.seed)
     ckpt = ck.resolve_checkpoint(Path(path))
     step = int(loaded.manifest["step"])
     written = write_results(ckpt.parent.parent, step, results)

@@ -125,7 +125,7 @@ def check_config(cfg: Any) -> None:
         raise ConfigError("launch.min_nodes", low, f"is more than launch.nodes={nodes}",
                           f"use launch.min_nodes={nodes} or less (0: a fixed job of launch.nodes)")
     restarts = int(launch.max_restarts)
-    if (low < nodes or restarts) and str(cfg.resume) == "never":
+    if (low < nodes or restarts) and cfg.resume == "never":
         why = f"launch.min_nodes={low} < launch.nodes={nodes}" if low < nodes else f"launch.max_restarts={restarts}"
         raise ConfigError("resume", "never", f"a worker group that torchrun restarts ({why}) would start again "
                           "from step 0", "add resume=auto (it continues from the newest checkpoint, on the new world size)")
@@ -175,10 +175,10 @@ def plan_nodes(cfg: Any, world_size: int, environ: Any = None) -> int:
     With FSDP the plan is over the replicas, so the nodes must also split them; a node count found
     in the environment that does not (a replica spanning nodes) plans as one node.
     """
-    replicas = world_size // int(cfg.fsdp.shard_size)
+    replicas = world_size // cfg.fsdp.shard_size
     if cfg.masker.nodes is not None:
-        check_nodes(int(cfg.masker.nodes), world_size)
-        return check_nodes(int(cfg.masker.nodes), replicas, "masker.nodes (over the fsdp.shard_size replicas)")
+        check_nodes(cfg.masker.nodes, world_size)
+        return check_nodes(cfg.masker.nodes, replicas, "masker.nodes (over the fsdp.shard_size replicas)")
     env = os.environ if environ is None else environ
     try:
         total, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])

@@ -71,7 +71,7 @@ def run_dir_of_args(argv: list[str]) -> Path | None:
         cfg = compose(recipe, rest[1:] if recipe else rest)
     except Exception:  # noqa: BLE001 - a config the workers will refuse in their own words
         return None
-    return Path(str(cfg.run.dir)) / str(cfg.run.name) if cfg.run.name else None
+    return Path(cfg.run.dir) / cfg.run.name if cfg.run.name else None
 
 
 class _LazyFileHandler(logging.FileHandler):

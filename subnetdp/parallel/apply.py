@@ -71,12 +71,12 @@ class RankParallelism:
 
     def __init__(self, cfg: Any, comm: Communicator) -> None:
         self.comm = comm
-        self.shard_size = int(cfg.fsdp.shard_size)
-        self.precision = str(cfg.train.precision)
-        self.ac_every = int(cfg.train.activation_checkpointing)
-        self.compile_backend = str(cfg.train.compile_backend) if cfg.train.compile else None
-        self.reshard_after_forward = bool(cfg.fsdp.reshard_after_forward)
-        self.reduce_each_micro_batch = bool(cfg.fsdp.reduce_each_micro_batch)
+        self.shard_size = cfg.fsdp.shard_size
+        self.precision = cfg.train.precision
+        self.ac_every = cfg.train.activation_checkpointing
+        self.compile_backend = cfg.train.compile_backend if cfg.train.compile else None
+        self.reshard_after_forward = cfg.fsdp.reshard_after_forward
+        self.reduce_each_micro_batch = cfg.fsdp.reduce_each_micro_batch
         self.checkpointed: list[int] = []
         self.compiled = 0
         self.mesh: Any = None

@@ -38,7 +38,7 @@ from subnetdp.sdp.sync import EveryStepSync, SyncSettings, clip_to, world_norm
 def check_config(cfg: Any, registries: dict[str, Any]) -> None:
     """``fsdp.shard_size > 1`` composes with forward, block-level masking over torch.distributed only,
     and leaves no whole gradient for ``train.grad_alignment_every``. Reads the config; creates nothing."""
-    size = int(cfg.fsdp.shard_size)
+    size = cfg.fsdp.shard_size
     if size > 1:
         needs = (("masker.granularity", "block", "FSDP shards whole blocks; neuron-level units would cut its shards"),
                  ("masker.regime", "forward", "backward masking broadcasts whole units, which FSDP holds in shards"),
@@ -52,8 +52,8 @@ def check_config(cfg: Any, registries: dict[str, Any]) -> None:
             raise ConfigError("comm.name", cfg.comm.name, f"fsdp.shard_size={size} needs torch.distributed process "
                               "groups (FSDP2 all-gathers and reduce-scatters through them)",
                               "use comm.name=gloo (CPU) or comm.name=nccl (GPU)")
-    if int(cfg.train.grad_alignment_every) and size > 1:
-        raise ConfigError("train.grad_alignment_every", int(cfg.train.grad_alignment_every),
+    if cfg.train.grad_alignment_every and size > 1:
+        raise ConfigError("train.grad_alignment_every", cfg.train.grad_alignment_every,
                           f"the probe needs whole gradients, and fsdp.shard_size={size} shards them",
                           "use fsdp.shard_size=1 for the probe, or train.grad_alignment_every=0")
 

@@ -66,17 +66,17 @@ def check_config(cfg: Any) -> None:
     """``sync.mode=local_steps``: what it does not compose with, a warm-up of whole cycles, and
     evaluations that fall on a synchronisation (the ranges of ``sync.*`` are declared with the fields)."""
     if cfg.sync.mode != "local_steps":
-        warmup = int(cfg.sync.warmup_steps)
+        warmup = cfg.sync.warmup_steps
         if warmup:
             raise ConfigError("sync.warmup_steps", warmup, "is the per-step warm-up before local steps; with "
                               f"sync.mode={cfg.sync.mode} every step is synchronised anyway",
                               "set sync.mode=local_steps, or leave sync.warmup_steps at 0")
-        if bool(cfg.sync.stop_every_step):
+        if cfg.sync.stop_every_step:
             raise ConfigError("sync.stop_every_step", True, "chooses where local steps agree on a stop; with "
                               f"sync.mode={cfg.sync.mode} every step's world reduction carries the signals anyway",
                               "set sync.mode=local_steps, or leave sync.stop_every_step at false")
         return
-    every = int(cfg.sync.every)
+    every = cfg.sync.every
     needs = (("fsdp.shard_size", 1, "composing local steps with FSDP's sharded parameters is not built"),
              ("masker.resample_every", 0, "a re-drawn plan would move units in the middle of a cycle"))
     for key, want, why in needs:
@@ -84,16 +84,16 @@ def check_config(cfg: Any) -> None:
         if value != want:
             raise ConfigError(key, value, f"sync.mode=local_steps needs {key}={want}: {why}",
                               f"set {key}={want}, or sync.mode=every_step")
-    warmup, steps = int(cfg.sync.warmup_steps), int(cfg.train.steps)
+    warmup, steps = cfg.sync.warmup_steps, cfg.train.steps
     if warmup % every or warmup > steps:
         raise ConfigError("sync.warmup_steps", warmup, f"must be a multiple of sync.every={every} and at most "
                           f"train.steps={steps}, so every cycle of local steps is whole and starts after it",
                           f"use sync.warmup_steps={min(every * (warmup // every), every * (steps // every))} "
                           "(0: local steps from the first step)")
-    if int(cfg.eval.every) % every:
-        raise ConfigError("eval.every", int(cfg.eval.every), f"must be a multiple of sync.every={every} with "
+    if cfg.eval.every % every:
+        raise ConfigError("eval.every", cfg.eval.every, f"must be a multiple of sync.every={every} with "
                           "sync.mode=local_steps, so the union model is evaluated right after a synchronisation",
-                          f"use eval.every={every * -(-int(cfg.eval.every) // every)} (0: only at the end)")
+                          f"use eval.every={every * -(-cfg.eval.every // every)} (0: only at the end)")
 
 
 class LocalStepsSynchronizer(OldStateMethods):

@@ -94,7 +94,7 @@ def union_branch_scales(cfg: Any, partition: Partition, plan: MaskPlan) -> dict[
     """The scales ``eval.block_union`` applies to the union model: the keep rates for ``rescaled``
     with block-level forward masking, else none (x1, neuron level, backward masking: those train
     every branch in every forward, or rescale neurons in training already)."""
-    if str(cfg.eval.block_union) != "rescaled" or not regime_of(cfg.masker).drops_branches:
+    if cfg.eval.block_union != "rescaled" or not regime_of(cfg.masker).drops_branches:
         return {}
     return branch_keep_rates(partition, plan)
 
@@ -157,13 +157,13 @@ def evaluate(model: nn.Module, adapter: ModelAdapter, data: DataModule, cfg: Any
     With ``device``, inputs go there and outputs come back to the host, where the batches are.
     """
     inputs = adapter.inputs if device is None else (lambda b: _moved(adapter.inputs(b), device))
-    n_cal = int(cfg.eval.bn_recalibrate_batches)
+    n_cal = cfg.eval.bn_recalibrate_batches
     if n_cal > 0:
-        calib = data.train_loader(0, 1, int(cfg.train.batch_size))
+        calib = data.train_loader(0, 1, cfg.train.batch_size)
         recalibrate_batchnorm(model, iter(calib), n_cal, inputs)
     model.eval()
     outputs, batches = [], []
-    for i, batch in enumerate(data.eval_loader(int(cfg.eval.batch_size))):
+    for i, batch in enumerate(data.eval_loader(cfg.eval.batch_size)):
         if cfg.eval.batches and i >= cfg.eval.batches:
             break
         out = model(inputs(batch))

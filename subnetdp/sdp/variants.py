@@ -47,7 +47,7 @@ REGIMES = {r.name: r for r in (Regime("forward", full_model=False, drops_branche
 
 def regime_of(mcfg: Any) -> Regime:
     """The :class:`Regime` of a ``masker`` section; an unknown one is one line with the choices."""
-    name = str(mcfg.regime)
+    name = mcfg.regime
     if name not in REGIMES:
         raise ConfigError("masker.regime", name, f"unknown masking regime; available: {', '.join(REGIMES)}"
                           + suggest(name, REGIMES))
@@ -57,14 +57,14 @@ def regime_of(mcfg: Any) -> Regime:
 def rescale_enabled(mcfg: Any) -> bool:
     """``masker.rescale``, defaulting to on for neuron level and off for block level."""
     value = mcfg.rescale
-    return str(mcfg.granularity) == "neuron" if value is None else bool(value)
+    return mcfg.granularity == "neuron" if value is None else bool(value)
 
 
 def partition_model(adapter: ModelAdapter, full: nn.Module, mcfg: Any, spec: DataSpec) -> Partition:
     """The adapter's partition; neuron level passes ``masker.units_per_layer``."""
-    granularity = str(mcfg.granularity)
+    granularity = mcfg.granularity
     if granularity == "neuron":
-        return adapter.partition(full, granularity, spec, units_per_layer=int(mcfg.units_per_layer))
+        return adapter.partition(full, granularity, spec, units_per_layer=mcfg.units_per_layer)
     return adapter.partition(full, granularity, spec)
 
 

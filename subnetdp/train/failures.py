@@ -137,10 +137,10 @@ def next_step(ctx: RunContext) -> str:
     by itself), else the command that continues the run."""
     cfg = ctx.cfg
     count, most = os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
-    if str(cfg.resume) == "auto" and count.isdigit() and most.isdigit() and int(count) < int(most):
+    if cfg.resume == "auto" and count.isdigit() and most.isdigit() and int(count) < int(most):
         return (f"the launcher restarts the workers (restart {int(count) + 1} of {most}), which continue from "
                 "there (resume=auto)")
-    return f"continue with: {continue_command(sys.argv, cfg.run.dir, str(cfg.run.name))}"
+    return f"continue with: {continue_command(sys.argv, cfg.run.dir, ctx.run_name)}"
 
 
 def stamp() -> str:

@@ -17,7 +17,7 @@ def check_config(cfg: Any) -> None:
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ConfigError("optim.betas", betas, "must be two numbers in [0, 1)", "write optim.betas=[0.9,0.999]")
-    warmup, steps = int(cfg.optim.warmup_steps), int(cfg.train.steps)
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
     if warmup > steps:
         raise ConfigError("optim.warmup_steps", warmup, f"must be in [0, train.steps={steps}]: a longer warm-up "
                           "never reaches optim.lr", f"use optim.warmup_steps={steps} or less (0 starts at the full "
@@ -27,9 +27,9 @@ def check_config(cfg: Any) -> None:
 def build_optimizer(cfg: Any, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """``torch.optim`` by ``optim.name`` (``sgd``, ``adamw``, ``adam``)."""
     params = [p for p in params if p.requires_grad]
-    name = str(cfg.name)
+    name = cfg.name
     if name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=bool(cfg.nesterov),
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay)
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[name]
     return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -49,7 +49,7 @@ def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int,
                    start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning-rate schedule of ``optimizer``, at step ``start`` (a rebuilt optimizer keeps the run's position)."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, int(cfg.warmup_steps), str(cfg.schedule)))
+        optimizer, lambda s: lr_factor(s, total_steps, cfg.warmup_steps, cfg.schedule))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fast-forwarding the schedule before the first optimizer step
         for _ in range(start):

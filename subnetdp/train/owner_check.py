@@ -35,15 +35,15 @@ class OwnerCheck:
     def __init__(self, ctx: RunContext, state) -> None:
         cfg = ctx.cfg
         self.ctx, self.state = ctx, state
-        self.every = int(cfg.recovery.verify_every)
-        self.on = (self.every > 0 and str(cfg.sync.mode) == "every_step" and int(cfg.fsdp.shard_size) == 1)
+        self.every = cfg.recovery.verify_every
+        self.on = (self.every > 0 and cfg.sync.mode == "every_step" and cfg.fsdp.shard_size == 1)
         self.history: list[tuple[int, int, int]] = []
 
     def due(self, step: int, stopping: bool = False) -> bool:
         """A verification step, or one after which a checkpoint is written."""
         cfg = self.ctx.cfg
-        every, last = int(cfg.checkpoint.every), self.ctx.steps
-        saving = bool(cfg.checkpoint.enabled) and (stopping or (step == last and final_wanted(cfg, last))
+        every, last = cfg.checkpoint.every, self.ctx.steps
+        saving = cfg.checkpoint.enabled and (stopping or (step == last and final_wanted(cfg, last))
                                                    or (every > 0 and step % every == 0))
         return self.on and (step % self.every == 0 or saving)
 

@@ -115,14 +115,14 @@ class Reporter:
         cfg = ctx.cfg
         self.meter = meter
         self.steps, self.log_every = ctx.steps, ctx.settings.train.log_every
-        self.log = RunLogger(ctx.run_dir, ctx.rank, bool(cfg.run.tensorboard))
+        self.log = RunLogger(ctx.run_dir, ctx.rank, cfg.run.tensorboard)
         self.bar: Any = None
         self.losses: list[float] = []  # this rank's losses since the last log step
         self.held: list[Callable[[], None]] = []  # an evaluation's lines: written after its step's line
         self.recovered: dict[str, Any] | None = None  # the next row's mean holds survivors' carried losses
         self.logged_peak = 0
         # What a step consumes over all ranks: samples (tokens for language models) and training FLOPs.
-        samples = ctx.world_size * int(cfg.train.batch_size) * int(cfg.train.grad_accum)
+        samples = ctx.world_size * cfg.train.batch_size * cfg.train.grad_accum
         self.seen_unit = "tokens" if ctx.spec.seq_len else "samples"
         self.seen_per_step = samples * (ctx.spec.seq_len or 1)
         self.flops_per_step = ctx.step_flops
@@ -171,7 +171,7 @@ class Reporter:
         with comm.bytes.phase("log"):
             comm.all_reduce(mean, comm.world).wait()  # collective: every rank's reporter reaches this on log steps
         step_time = self.meter.mean_step_time(self.log_every)
-        samples_per_step = comm.world_size * int(cfg.train.batch_size) * int(cfg.train.grad_accum)
+        samples_per_step = comm.world_size * cfg.train.batch_size * cfg.train.grad_accum
         record = {"step": step, "train/loss": float(mean[0] / mean[1]),
                   "train/lr": state.optimizer.param_groups[0]["lr"], "train/grad_norm": grad_norm,
                   "train/step_time_s": step_time, "train/samples_per_s": samples_per_step / step_time}
@@ -391,7 +391,7 @@ def final_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
     cfg = ctx.cfg
     if not cfg.checkpoint.enabled:
         why = "checkpoint.enabled=false"
-    elif str(cfg.checkpoint.final) == "never":
+    elif cfg.checkpoint.final == "never":
         why = "checkpoint.final=never"
     else:
         why = (f"a short run (checkpoint.final=auto writes one from {AUTO_FINAL_MIN_STEPS} steps, with "

@@ -98,7 +98,7 @@ NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file system
 def _check_run_name(cfg: DictConfig) -> None:
     """``run.name`` is one folder inside ``run.dir``: no separators, no ``..``, not absolute, not too
     long, and no control characters (a newline would split every log line and shell command naming it)."""
-    name = str(cfg.run.name)
+    name = cfg.run.name
     if not name:
         return
     fix = "use a plain folder name such as run.name=exp1 (put the parent folder in run.dir)"
@@ -116,7 +116,7 @@ def _check_run_name(cfg: DictConfig) -> None:
 
 def check_world(cfg: DictConfig, world_size: int) -> int:
     """The number of replicas R = W / S, or a ConfigError when ``fsdp.shard_size`` does not divide W."""
-    size = int(cfg.fsdp.shard_size)
+    size = cfg.fsdp.shard_size
     if world_size % size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError("fsdp.shard_size", size, f"must divide the world size {world_size} "
@@ -161,7 +161,7 @@ def check_data_fits_model(cfg: DictConfig, registries: dict[str, Any]) -> None:
     consumes, produces = model.data_kind, data.data_kind
     if consumes != produces:
         fitting = [n for n in registries["data"].names() if registries["data"].get(n).data_kind == consumes]
-        raise ConfigError("data.name", str(cfg.data.name), f"yields {produces} data, but model.name={cfg.model.name} "
+        raise ConfigError("data.name", cfg.data.name, f"yields {produces} data, but model.name={cfg.model.name} "
                           f"trains on {consumes} data", f"use {consumes} data" + (f": {', '.join(fitting)}" if fitting else ""))
 
 
@@ -185,9 +185,9 @@ def warn_threads(cfg: DictConfig) -> None:
     """
     import warnings
 
-    threads, cores = int(cfg.launch.threads_per_rank), os.cpu_count() or 1
+    threads, cores = cfg.launch.threads_per_rank, os.cpu_count() or 1
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    ranks, what = (int(local), "local ranks") if local.isdigit() else (int(cfg.launch.nproc), "launch.nproc")
+    ranks, what = (int(local), "local ranks") if local.isdigit() else (cfg.launch.nproc, "launch.nproc")
     if threads * max(1, ranks) > cores:
         warnings.warn(f"launch.threads_per_rank={threads} x {what}={ranks} is more threads than "
                       f"the {cores} cores: ranks will slow each other down; 0 shares the cores evenly", stacklevel=2)

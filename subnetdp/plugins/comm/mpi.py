@@ -91,13 +91,13 @@ class MpiCommunicator(Communicator):
     def validate_config(cls, node: Any, cfg: Any) -> None:
         if str(node.device) not in DEVICE_CHOICES:
             raise ConfigError("comm.device", node.device, f"valid choices: {', '.join(DEVICE_CHOICES)}")
-        if cfg is not None and str(cfg.train.device) not in ("auto", str(node.device)):
+        if cfg is not None and cfg.train.device not in ("auto", str(node.device)):
             raise ConfigError("train.device", cfg.train.device, f"comm.device={node.device} holds the tensors",
                               f"set comm.device={cfg.train.device} too, or train.device=auto")
 
     @classmethod
     def device_type(cls, cfg: Any) -> str:
-        return "cuda" if str(cfg.device) == "cuda" else "cpu"
+        return "cuda" if cfg.device == "cuda" else "cpu"
 
     @classmethod
     def check_launcher(cls, launcher: str, nproc: int) -> None:
@@ -111,17 +111,17 @@ class MpiCommunicator(Communicator):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if str(self.cfg.device) == "cuda" else torch.device("cpu")
+        return torch.device("cuda", self.local_rank) if self.cfg.device == "cuda" else torch.device("cpu")
 
     def check_environment(self) -> None:
         """mpi4py imports, and MPI's world is the world the launcher promised."""
         if self.device.type == "cuda" and torch.cuda.device_count() <= self.local_rank:
             raise ConfigError("comm.device", "cuda", f"local rank {self.local_rank} needs GPU cuda:{self.local_rank}, "
                               f"but {torch.cuda.device_count()} are visible", "use comm.device=cpu")
-        MPI = import_mpi("comm.name", str(self.cfg.name))
+        MPI = import_mpi("comm.name", self.cfg.name)
         size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
         if size != self.world_size or rank != self.rank:
-            raise ConfigError("comm.name", str(self.cfg.name),
+            raise ConfigError("comm.name", self.cfg.name,
                               f"MPI's world is rank {rank} of {size}, but the {self.env.launcher} launch says rank "
                               f"{self.rank} of {self.world_size}",
                               "start comm.name=mpi with mpirun/mpiexec (subnetdp launch --launcher mpirun), "

@@ -28,7 +28,7 @@ class NcclCommunicator(TorchDistCommunicator):
 
     @classmethod
     def validate_config(cls, node: Any, cfg: Any) -> None:
-        if str(cfg.train.device) == "cpu":
+        if cfg.train.device == "cpu":
             raise ConfigError("train.device", "cpu", f"comm.name={node.name} computes on cuda:LOCAL_RANK",
                               "use train.device=auto (or cuda), or comm.name=gloo to train on CPUs")
 
@@ -50,7 +50,7 @@ class NcclCommunicator(TorchDistCommunicator):
 
     def check_environment(self) -> None:
         """Raise a :class:`ConfigError` before any process group when NCCL cannot run here."""
-        name = str(self.cfg.name)
+        name = self.cfg.name
         self.check_machine(name)
         count = torch.cuda.device_count()
         if self.local_rank >= count:

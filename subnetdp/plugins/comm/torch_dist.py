@@ -183,9 +183,9 @@ class TorchDistCommunicator(Communicator):
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
-        timeout = float(self.cfg.timeout_s)
+        timeout = self.cfg.timeout_s
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout), **self._init_kwargs()}
-        init_method = str(self.cfg.init_method)
+        init_method = self.cfg.init_method
         elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
@@ -223,14 +223,14 @@ class TorchDistCommunicator(Communicator):
         if self._membership is not None:
             # After a re-formation only the group's members make it (named by the job's first ranks).
             # collective: every member of the group reaches this.
-            pg = form_group(self._job_store, self._membership, [self._origin[r] for r in key], float(self.cfg.timeout_s))
+            pg = form_group(self._job_store, self._membership, [self._origin[r] for r in key], self.cfg.timeout_s)
             if pg is not None:
                 self._groups[key] = pg
             return
         # collective: every rank creates every group, in the same order, member or not. Owner groups
         # get comm.timeout_s too (torch's default would be 30 minutes for a stalled peer).
         self._groups[key] = dist.new_group(list(key), backend=self.backend,
-                                           timeout=datetime.timedelta(seconds=float(self.cfg.timeout_s)))
+                                           timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
 
     @property
     def can_regroup(self) -> bool:
@@ -254,7 +254,7 @@ class TorchDistCommunicator(Communicator):
         for pg in {id(g): g for g in self._groups.values()}.values():
             release(pg)
         generation = (self._membership.generation if self._membership else 0) + 1
-        timeout = float(self.cfg.timeout_s)
+        timeout = self.cfg.timeout_s
         m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
         world = form_world(self._job_store, m, timeout)
         self._membership, self._origin = m, m.members
@@ -297,7 +297,7 @@ class TorchDistCommunicator(Communicator):
             try:
                 store = dist.distributed_c10d._get_default_store()
                 store.set(f"{LEFT_KEY}/{self.rank}", "peer lost")  # before anyone can see this rank exit
-                grace = max(2.0, min(10.0, float(self.cfg.timeout_s) / 10))
+                grace = max(2.0, min(10.0, self.cfg.timeout_s / 10))
                 if timeout:
                     silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
                 else:  # a connection closed: a process of this host is looked at, one elsewhere asked
@@ -317,7 +317,7 @@ class TorchDistCommunicator(Communicator):
                     who = f"{names} {'is' if len(silent) == 1 else 'are'} gone"
                 raise PeerLost(f"{who} (the connection closed during {what} over ranks {members})", silent) from e
             who = f"{names} stopped answering" if names else "a peer stopped answering (every other member timed out too)"
-            raise PeerLost(f"{who}: rank {self.rank} timed out after comm.timeout_s={float(self.cfg.timeout_s):g} s "
+            raise PeerLost(f"{who}: rank {self.rank} timed out after comm.timeout_s={self.cfg.timeout_s:g} s "
                            f"waiting in {what} over ranks {members} — look at the log of "
                            f"{names or 'the slowest rank'} (a crash, a hang, or a much slower step), or raise "
                            "comm.timeout_s", silent) from e

@@ -78,7 +78,7 @@ class CifarData(DataModule):
 
     @property
     def folder(self) -> Path:
-        return absolute(str(self.cfg.root)) / self.dataset.base_folder
+        return absolute(self.cfg.root) / self.dataset.base_folder
 
     def files(self) -> list[tuple[str, str]]:
         """(file name, MD5) of every file the dataset needs."""
@@ -87,14 +87,14 @@ class CifarData(DataModule):
 
     def check(self) -> None:
         """Download if asked, then require every file (and, unless disabled, its published MD5)."""
-        root = absolute(str(self.cfg.root))
+        root = absolute(self.cfg.root)
         if self.cfg.download:
             self._download(root)
         missing = [n for n, _ in self.files() if not (self.folder / n).is_file()]
         if missing:
             d = self.dataset
             raise ConfigError(
-                "data.root", str(self.cfg.root),
+                "data.root", self.cfg.root,
                 f"{self.title} not found: expected {self.folder}/ holding "
                 f"{', '.join(n for n, _ in self.files())} (missing: {', '.join(missing)})",
                 f"set data.download=true to fetch {d.url} into {root} (needs internet), or download that "
@@ -103,7 +103,7 @@ class CifarData(DataModule):
         if self.cfg.verify_checksums and not self._checked:
             for name, md5 in self.files():
                 if not check_integrity(str(self.folder / name), md5):
-                    raise ConfigError("data.root", str(self.cfg.root),
+                    raise ConfigError("data.root", self.cfg.root,
                                       f"{self.folder / name} does not match the published {self.title} file "
                                       "(MD5 differs)", "delete the folder and download it again, or set "
                                       "data.verify_checksums=false to read a modified copy")
@@ -122,16 +122,16 @@ class CifarData(DataModule):
         if train not in self._splits:
             if not self._checked:
                 self.check()
-            self._splits[train] = _unverified(self.dataset)(str(absolute(str(self.cfg.root))), train=train)
+            self._splits[train] = _unverified(self.dataset)(str(absolute(self.cfg.root)), train=train)
         return self._splits[train]
 
     def _tail(self) -> list[Any]:
-        size = int(self.cfg.image_size)
+        size = self.cfg.image_size
         resize = [transforms.Resize((size, size), antialias=True)] if size != 32 else []
         return resize + [transforms.ToTensor(), transforms.Normalize(self.mean, self.std)]
 
     def spec(self) -> DataSpec:
-        return DataSpec(in_channels=3, image_size=int(self.cfg.image_size), num_classes=self.num_classes)
+        return DataSpec(in_channels=3, image_size=self.cfg.image_size, num_classes=self.num_classes)
 
     def planning_spec(self) -> tuple[DataSpec, str]:
         where = "dataset" if self.folder.is_dir() else "config"
@@ -140,11 +140,11 @@ class CifarData(DataModule):
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedImageLoader:
         augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if self.cfg.augment else []
         dataset = SeededTransform(self._split(True), transforms.Compose(augment + self._tail()), self.seed)
-        return ShardedImageLoader(dataset, rank, world_size, batch_size, self.seed, int(self.cfg.num_workers))
+        return ShardedImageLoader(dataset, rank, world_size, batch_size, self.seed, self.cfg.num_workers)
 
     def eval_loader(self, batch_size: int) -> Any:
         return eval_loader(Transformed(self._split(False), transforms.Compose(self._tail())), batch_size,
-                           int(self.cfg.num_workers))
+                           self.cfg.num_workers)
 
 
 class Cifar100Data(CifarData):

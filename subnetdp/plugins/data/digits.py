@@ -41,7 +41,7 @@ class DigitsData(InMemoryData):
             raise ConfigError("data.image_size", cfg.image_size, "must be >= 1 (8 is the native size)")
         # Every image is resized and held in memory (three copies while loading): at 4096 pixels that
         # is hundreds of GiB, the allocator's traceback in the launching process otherwise.
-        need = LOAD_COPIES * NUM_IMAGES * 4 * int(cfg.image_size) ** 2
+        need = LOAD_COPIES * NUM_IMAGES * 4 * cfg.image_size ** 2
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
         if have and need > have:
             raise ConfigError("data.image_size", cfg.image_size, f"the {NUM_IMAGES} digits resized to it need about "
@@ -59,11 +59,11 @@ class DigitsData(InMemoryData):
             d = load_digits()
             x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
             y = torch.tensor(d.target, dtype=torch.int64)
-            size = int(self.cfg.image_size)
+            size = self.cfg.image_size
             if size != 8:
                 x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(int(self.cfg.split_seed)))
-            n_test = int(round(len(x) * float(self.cfg.test_fraction)))
+            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.cfg.split_seed))
+            n_test = int(round(len(x) * self.cfg.test_fraction))
             test, train = perm[:n_test], perm[n_test:]
             mean, std = x[train].mean(), x[train].std()
             x = (x - mean) / std
@@ -71,7 +71,7 @@ class DigitsData(InMemoryData):
         return self._splits
 
     def spec(self) -> DataSpec:
-        return DataSpec(in_channels=1, image_size=int(self.cfg.image_size), num_classes=10)
+        return DataSpec(in_channels=1, image_size=self.cfg.image_size, num_classes=10)
 
     def split(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return self._load()[0 if train else 1]

@@ -71,20 +71,20 @@ class ImageNetData(DataModule):
 
     @property
     def root(self) -> Path:
-        return absolute(str(self.cfg.root))
+        return absolute(self.cfg.root)
 
     def check(self) -> None:
         """Require both splits, with class folders, the same in both."""
         found = {split: _classes(self.root / split) for split in SPLITS}
         empty = [s for s in SPLITS if not found[s]]
         if empty:
-            raise ConfigError("data.root", str(self.cfg.root),
+            raise ConfigError("data.root", self.cfg.root,
                               f"no class folders under {', '.join(str(self.root / s) for s in empty)}",
                               "expected " + LAYOUT.format(root=self.root))
         if found["train"] != found["val"]:
             only_train = sorted(set(found["train"]) - set(found["val"]))[:5]
             only_val = sorted(set(found["val"]) - set(found["train"]))[:5]
-            raise ConfigError("data.root", str(self.cfg.root),
+            raise ConfigError("data.root", self.cfg.root,
                               f"train/ and val/ have different class folders ({len(found['train'])} vs "
                               f"{len(found['val'])}; only in train: {only_train}, only in val: {only_val})",
                               "give val/ the same class folders as train/ (sort the validation images by class)")
@@ -100,32 +100,32 @@ class ImageNetData(DataModule):
     def spec(self) -> DataSpec:
         if self._class_names is None:
             self.check()
-        return DataSpec(in_channels=3, image_size=int(self.cfg.image_size), num_classes=len(self._class_names or []))
+        return DataSpec(in_channels=3, image_size=self.cfg.image_size, num_classes=len(self._class_names or []))
 
     def planning_spec(self) -> tuple[DataSpec, str]:
         if _classes(self.root / "train"):
             return self.spec(), f"dataset ({self.root}: class folders; data.image_size)"
-        return (DataSpec(in_channels=3, image_size=int(self.cfg.image_size), num_classes=int(self.cfg.num_classes)),
-                f"config ({self.root}/train not found: data.num_classes={int(self.cfg.num_classes)}, data.image_size)")
+        return (DataSpec(in_channels=3, image_size=self.cfg.image_size, num_classes=self.cfg.num_classes),
+                f"config ({self.root}/train not found: data.num_classes={self.cfg.num_classes}, data.image_size)")
 
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> ShardedImageLoader:
-        size = int(self.cfg.image_size)
+        size = self.cfg.image_size
         if self.cfg.augment:
-            head = [transforms.RandomResizedCrop(size, scale=(float(self.cfg.min_scale), 1.0), antialias=True),
+            head = [transforms.RandomResizedCrop(size, scale=(self.cfg.min_scale, 1.0), antialias=True),
                     transforms.RandomHorizontalFlip()]
         else:
             head = self._eval_head()
         transform = transforms.Compose(head + [transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
         return ShardedImageLoader(SeededTransform(self._split("train"), transform, self.seed), rank, world_size,
-                                  batch_size, self.seed, int(self.cfg.num_workers))
+                                  batch_size, self.seed, self.cfg.num_workers)
 
     def _eval_head(self) -> list[Any]:
-        size = int(self.cfg.image_size)
-        return [transforms.Resize(round(size / float(self.cfg.crop_ratio)), antialias=True), transforms.CenterCrop(size)]
+        size = self.cfg.image_size
+        return [transforms.Resize(round(size / self.cfg.crop_ratio), antialias=True), transforms.CenterCrop(size)]
 
     def eval_loader(self, batch_size: int) -> Any:
         transform = transforms.Compose(self._eval_head() + [transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-        return eval_loader(Transformed(self._split("val"), transform), batch_size, int(self.cfg.num_workers))
+        return eval_loader(Transformed(self._split("val"), transform), batch_size, self.cfg.num_workers)
 
 
 def write_tiny_imagefolder(root: Path, classes: int = 3, per_class: tuple[int, int] = (12, 4), size: int = 40,

@@ -33,19 +33,19 @@ class SyntheticData(InMemoryData):
                 raise ConfigError(f"data.{key}", cfg[key], "must be >= 1")
 
     def _make(self, n: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        c, s, k = int(self.cfg.in_channels), int(self.cfg.image_size), int(self.cfg.num_classes)
+        c, s, k = self.cfg.in_channels, self.cfg.image_size, self.cfg.num_classes
         teacher = torch.randn(c * s * s, k, generator=torch.Generator().manual_seed(1234))
         x = torch.randn(n, c, s, s, generator=torch.Generator().manual_seed(offset))
         y = (x.flatten(1) @ teacher).argmax(1)
         return x, y
 
     def spec(self) -> DataSpec:
-        return DataSpec(in_channels=int(self.cfg.in_channels), image_size=int(self.cfg.image_size),
-                        num_classes=int(self.cfg.num_classes))
+        return DataSpec(in_channels=self.cfg.in_channels, image_size=self.cfg.image_size,
+                        num_classes=self.cfg.num_classes)
 
     def split(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # Two independent draws (generator seeds 1 and 2); the teacher labelling them is the same.
-        return self._make(int(self.cfg.train_samples), 1) if train else self._make(int(self.cfg.test_samples), 2)
+        return self._make(self.cfg.train_samples, 1) if train else self._make(self.cfg.test_samples, 2)
 
 
 @hookimpl

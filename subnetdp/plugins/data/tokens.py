@@ -158,7 +158,7 @@ class TokensData(DataModule):
     def root(self) -> Path:
         """The shard directory; ``stdlib`` (or empty) builds the standard-library corpus first."""
         if self._root is None:
-            root = str(self.cfg.root)
+            root = self.cfg.root
             if root in ("", "stdlib"):
                 from subnetdp.plugins.data.corpus import build_stdlib_corpus
 
@@ -184,15 +184,15 @@ class TokensData(DataModule):
             if not files:
                 raise ConfigError(f"data.{split if split == 'train' else 'val'}_pattern", pattern,
                                   f"matches no file in {root}", PREPARE_HINT)
-            fmt = str(self.cfg.format)
+            fmt = self.cfg.format
             if fmt == "auto" and self._meta.get("format") == "plain":
                 fmt = "plain"
             dtype = str(self._meta.get("dtype", self.cfg.dtype))
             shards = [open_shard(f, fmt, dtype, self.spec().vocab_size) for f in files]
-            windows = TokenWindows(shards, int(self.cfg.seq_len))
+            windows = TokenWindows(shards, self.cfg.seq_len)
             if len(windows) == 0:
-                raise ConfigError("data.seq_len", int(self.cfg.seq_len),
-                                  f"the {split} shards in {root} hold fewer than {int(self.cfg.seq_len) + 1} tokens",
+                raise ConfigError("data.seq_len", self.cfg.seq_len,
+                                  f"the {split} shards in {root} hold fewer than {self.cfg.seq_len + 1} tokens",
                                   "use a smaller data.seq_len or more data")
             self._splits[split] = windows
         return self._splits[split]
@@ -203,11 +203,11 @@ class TokensData(DataModule):
 
     def spec(self) -> DataSpec:
         self.root()
-        vocab = int(self.cfg.vocab_size) or int(self._meta.get("vocab_size", 0))
+        vocab = self.cfg.vocab_size or int(self._meta.get("vocab_size", 0))
         if not vocab:
             raise ConfigError("data.vocab_size", 0, f"{self._root} has no meta.json to read the vocabulary from",
                               "set data.vocab_size to the tokenizer's vocabulary size (e.g. 50257 for GPT-2)")
-        return DataSpec(vocab_size=vocab, seq_len=int(self.cfg.seq_len))
+        return DataSpec(vocab_size=vocab, seq_len=self.cfg.seq_len)
 
     def tokenizer(self) -> Any:
         """The tokenizer the shards were made with (``meta.json``), or None when it is unknown.
@@ -225,11 +225,11 @@ class TokensData(DataModule):
             name = self._meta["tokenizer_file"]
             problem = plain_name_problem(name)
             if problem:  # meta.json is data: it names a file beside it, never one elsewhere
-                raise ConfigError("data.root", str(self.cfg.root), f"{root / 'meta.json'} names the tokenizer file "
+                raise ConfigError("data.root", self.cfg.root, f"{root / 'meta.json'} names the tokenizer file "
                                   f"{name!r}, which {problem}", "name a file in the shards' folder")
             path = root / name
             if not path.is_file():
-                raise ConfigError("data.root", str(self.cfg.root), f"meta.json names {path}, which is missing",
+                raise ConfigError("data.root", self.cfg.root, f"meta.json names {path}, which is missing",
                                   "copy the tokenizer file beside the shards, or prepare them again")
             return make_tokenizer("bpe", tokenizer_file=str(path))
         return None
@@ -237,12 +237,12 @@ class TokensData(DataModule):
     def planning_spec(self) -> tuple[DataSpec, str]:
         """Vocabulary from ``data.vocab_size``, else ``meta.json`` beside the shards when they exist,
         else the standard-library tokenizer's (``root=stdlib``); 0 (the model's default) otherwise."""
-        seq = int(self.cfg.seq_len)
-        if int(self.cfg.vocab_size):
-            return DataSpec(vocab_size=int(self.cfg.vocab_size), seq_len=seq), "config (data.vocab_size, data.seq_len)"
-        root = str(self.cfg.root)
+        seq = self.cfg.seq_len
+        if self.cfg.vocab_size:
+            return DataSpec(vocab_size=self.cfg.vocab_size, seq_len=seq), "config (data.vocab_size, data.seq_len)"
+        root = self.cfg.root
         if root in ("", "stdlib"):
-            vocab = 257 if self.cfg.tokenizer == "bytes" else int(self.cfg.bpe_vocab_size)
+            vocab = 257 if self.cfg.tokenizer == "bytes" else self.cfg.bpe_vocab_size
             return (DataSpec(vocab_size=vocab, seq_len=seq),
                     f"config (data.root=stdlib, data.tokenizer={self.cfg.tokenizer}: vocabulary {vocab}; data.seq_len)")
         meta = Path(root).expanduser() / "meta.json"
@@ -252,7 +252,7 @@ class TokensData(DataModule):
                 f"config ({root} has no meta.json: the model's default vocabulary; data.seq_len)")
 
     def train_loader(self, rank: int, world_size: int, batch_size: int) -> TokenLoader:
-        return TokenLoader(self._windows("train"), rank, world_size, batch_size, self.seed, bool(self.cfg.shuffle))
+        return TokenLoader(self._windows("train"), rank, world_size, batch_size, self.seed, self.cfg.shuffle)
 
     def eval_loader(self, batch_size: int) -> EvalWindows:
         return EvalWindows(self._windows("val"), batch_size)

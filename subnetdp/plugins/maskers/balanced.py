@@ -20,7 +20,7 @@ class BalancedMasker(Masker):
     ignores = {"capacity": "it sets owner counts from the units' costs, not per-rank coverages"}
 
     def plan(self, partition: Partition, world_size: int, seed: int) -> MaskPlan:
-        k = min(world_size, max(int(self.cfg.min_owners), units_kept(float(self.cfg.coverage), world_size)))
+        k = min(world_size, max(self.cfg.min_owners, units_kept(self.cfg.coverage, world_size)))
         owned: list[list[int]] = [[] for _ in range(world_size)]
         load = [0.0] * world_size
         for ids in group_units(partition, self.cfg.group_by).values():

@@ -438,6 +438,6 @@ def resume_plan(path: Path, state: Any, cfg: Any, world_size: int) -> MaskPlan:
         return state.plan  # another masker, coverage or seed asked for: a new plan
     try:
         return read_plan(path, manifest).without([r for r in range(old_world) if r not in absent],
-                                                 int(cfg.masker.min_owners))
+                                                 cfg.masker.min_owners)
     except (PlanError, ValueError):
         return state.plan

@@ -109,15 +109,15 @@ class LlamaAdapter(BlockAdapter):
     def args(self, spec: DataSpec) -> LlamaArgs:
         """The variant's dimensions with the vocabulary, sequence length and options filled in."""
         base = VARIANTS[self.cfg.variant]
-        vocab = int(self.cfg.vocab_size) or spec.vocab_size or DEFAULT_VOCAB
+        vocab = self.cfg.vocab_size or spec.vocab_size or DEFAULT_VOCAB
         if spec.vocab_size and vocab < spec.vocab_size:
             raise ConfigError("model.vocab_size", vocab, f"is smaller than the data's vocabulary ({spec.vocab_size})",
                               "set model.vocab_size=0 to take the data's")
-        tie = base.tie_embeddings if self.cfg.tie_embeddings is None else bool(self.cfg.tie_embeddings)
+        tie = base.tie_embeddings if self.cfg.tie_embeddings is None else self.cfg.tie_embeddings
         arch = self._arch(self.cfg)
         return LlamaArgs(arch["dim"], arch["n_layers"], arch["n_heads"], arch["n_kv_heads"], arch["hidden_dim"], tie, vocab,
-                         spec.seq_len or base.max_seq_len, float(self.cfg.rope_theta),
-                         base.norm_eps, float(self.cfg.init_std))
+                         spec.seq_len or base.max_seq_len, self.cfg.rope_theta,
+                         base.norm_eps, self.cfg.init_std)
 
     def build(self, spec: DataSpec) -> nn.Module:
         self._init_args = self.args(spec)
@@ -202,7 +202,7 @@ class LlamaAdapter(BlockAdapter):
         """The loss of one micro-batch; with ``model.loss_chunk > 0`` the head and cross entropy run
         inside the model's forward in chunks (:mod:`~subnetdp.plugins.models._lm_loss`), so FSDP's
         hooks around the root module see the head's use of its weight."""
-        chunk = int(self.cfg.loss_chunk)
+        chunk = self.cfg.loss_chunk
         if chunk <= 0:
             return super().training_loss(model, batch)
         return model(batch[0], targets=batch[1], loss_chunk=chunk)

@@ -78,7 +78,7 @@ class ResNetAdapter(ImageClassifierAdapter):
 
     def build(self, spec: DataSpec) -> nn.Module:
         return build_reference(self.cfg.variant, spec.num_classes, spec.in_channels or 3,
-                               bool(self.cfg.cifar_stem), bool(self.cfg.zero_init_residual))
+                               self.cfg.cifar_stem, self.cfg.zero_init_residual)
 
     @staticmethod
     def _held_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -99,8 +99,8 @@ class ResNetAdapter(ImageClassifierAdapter):
 
     def reference_options(self, spec: DataSpec) -> dict[str, Any]:
         return {"variant": self.cfg.variant, "num_classes": spec.num_classes,
-                "in_channels": spec.in_channels or 3, "cifar_stem": bool(self.cfg.cifar_stem),
-                "zero_init_residual": bool(self.cfg.zero_init_residual)}
+                "in_channels": spec.in_channels or 3, "cifar_stem": self.cfg.cifar_stem,
+                "zero_init_residual": self.cfg.zero_init_residual}
 
     @staticmethod
     def reference_model(options: dict[str, Any]) -> nn.Module:
