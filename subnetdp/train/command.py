@@ -89,10 +89,10 @@ def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None
     from subnetdp.launchers.local import launch_local
     from subnetdp.train.setup import preflight
 
+    launch, nproc = settings.launch, settings.launch.nproc
     upfront.check_launcher(cfg, pm.registries, "local", nproc)
     # Fail on a bad plan or machine here, before any worker or process group exists.
     preflight(cfg, nproc, pm)
-    launch, nproc = settings.launch, settings.launch.nproc
     continuing = launch.on_failure == "continue"
     if continuing and (launch.max_restarts or settings.comm.name != "gloo"):
         raise ConfigError("launch.on_failure", "continue",
