@@ -325,7 +325,7 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
     plan, partition = state.plan, state.partition
     yaml = config_mod.to_yaml(ctx.cfg)
     (ctx.run_dir / "config.yaml").write_text(yaml)
-    plan_dict = plan.to_dict(partition, str(ctx.cfg.masker.group_by))
+    plan_dict = plan.to_dict(partition, ctx.settings.masker.group_by)
     write_json(ctx.run_dir / "plan.json", plan_dict)
     log.text("config", "```\n" + yaml + "\n```")
     names = [u.name for u in partition.units]
