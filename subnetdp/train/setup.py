@@ -102,26 +102,25 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
     """Build everything a rank needs: the frozen run context and the training state.
 
     Bad input fails before the process group exists. ``cfg`` is read, never written: the context
-    holds a read-only copy of it, its typed :class:`~subnetdp.core.config.Settings` (made here, once),
-    and what the run derives from it (the FLOP-matched step count, the run name rank 0 made when
+    holds a read-only copy of it, its typed :class:`~subnetdp.core.config.Settings` (made with the
+    context), and what the run derives from it (the FLOP-matched step count, the run name rank 0 made when
     ``run.name`` is empty). ``on_context`` is called with the context as soon as it exists (the run
     directory is then this job's), before the state is built.
     """
-    settings = config_mod.Settings.from_config(cfg)
     comm: Communicator = pm.registries["comm"].create(cfg.comm.name, cfg.comm, env)
     comm.check_environment()
-    if settings.train.device == "cuda" and comm.device.type != "cuda":
-        raise ConfigError("train.device", "cuda", f"comm.name={settings.comm.name} computes on {comm.device.type}",
+    if cfg.train.device == "cuda" and comm.device.type != "cuda":
+        raise ConfigError("train.device", "cuda", f"comm.name={cfg.comm.name} computes on {comm.device.type}",
                           "use comm.name=nccl for GPUs")
     data, spec, adapter, full, partition, plan = build_plan(cfg, env.world_size, pm)
     ratios = count_flops(cfg, adapter, spec, full, partition, plan, data)
     flop_match = match_flops(cfg, ratios)  # train.flop_matched
     # Every rank runs train.grad_accum micro-batches a step, each costing its share of the full model's.
-    step_flops = ratios.full_train_step * sum(ratios.per_rank_train_step) * settings.train.grad_accum
-    if settings.train.compile:
+    step_flops = ratios.full_train_step * sum(ratios.per_rank_train_step) * cfg.train.grad_accum
+    if cfg.train.compile:
         from subnetdp.parallel.compile import require_compilable
 
-        require_compilable(comm.device, settings.train.compile_backend)
+        require_compilable(comm.device, cfg.train.compile_backend)
 
     tasks = load_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     check_resume_source(cfg)  # a damaged manifest fails here, on every rank
@@ -132,8 +131,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
     frozen = copy.deepcopy(cfg)  # the caller keeps its own config; the run's cannot change under it
     OmegaConf.set_readonly(frozen, True)
     ctx = RunContext(cfg=frozen, env=env, comm=comm, plugins=pm, adapter=adapter, data=data, spec=spec,
-                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match, step_flops=step_flops,
-                     settings=settings)
+                     run_dir=run_dir, lock=lock, tasks=tasks, flop_match=flop_match, step_flops=step_flops)
     if on_context is not None:
         on_context(ctx)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device

@@ -212,7 +212,7 @@ FROZEN_API: dict[str, list[str]] = {
         "state_dict(self) -> 'dict[str, int]'",
     ],
     'RunContext': [
-        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None, flop_match: \'Optional[dict]\' = None, step_flops: \'Optional[float]\' = None, settings: "Optional[\'Settings\']" = None) -> None',
+        '__init__(self, cfg: "\'DictConfig\'", env: \'LaunchEnv\', comm: \'Communicator\', plugins: \'Any\', adapter: \'ModelAdapter\', data: \'DataModule\', spec: \'DataSpec\', run_dir: \'Path\', lock: \'Any\' = None, tasks: \'Any\' = None, flop_match: \'Optional[dict]\' = None, step_flops: \'Optional[float]\' = None) -> None',
         'rank: property',
         'run_name: property',
         'steps: property',

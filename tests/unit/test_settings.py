@@ -7,6 +7,8 @@ the values as the schemas type them, and refuses a value of the wrong type in on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -42,6 +44,9 @@ def test_setup_writes_nothing_back_into_the_config(tmp_path):
         # The whole model: the matched count is the count asked for, read from the context.
         assert ctx.steps == ctx.flop_match["steps"] == 7 and ctx.settings.train.steps == 7
         assert ctx.settings == Settings.from_config(cfg)
+        # A context copied with another config reads that config's settings: the two never disagree.
+        other = OmegaConf.merge(ctx.cfg, {"eval": {"block_union": "x1"}})
+        assert dataclasses.replace(ctx, cfg=other).settings.eval.block_union == "x1" != ctx.settings.eval.block_union
     finally:
         ctx.comm.shutdown()
         if ctx.lock is not None:

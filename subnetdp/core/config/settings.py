@@ -63,7 +63,7 @@ class Settings:
         its key, and a missing key takes the schema's default. ``registries`` find the selected
         plugins' ``Config`` for such a config (built from entry points when None and needed).
         """
-        if _is_composed(cfg):  # every value already checked against its schema: convert only
+        if is_composed(cfg):  # every value already checked against its schema: convert only
             whole = OmegaConf.to_object(cfg)  # the plugin sections become attributes of the RunConfig
             return cls(**{f.name: getattr(whole, f.name) for f in dataclasses.fields(cls)})
         core = OmegaConf.to_object(_checked(OmegaConf.structured(RunConfig),
@@ -89,7 +89,7 @@ def _checked(schema: DictConfig, values: DictConfig, prefix: str = "") -> DictCo
                           "(python -m subnetdp.core.config), or leave it out for its default") from None
 
 
-def _is_composed(cfg: DictConfig) -> bool:
+def is_composed(cfg: DictConfig) -> bool:
     """Whether ``cfg`` is typed by the schemas throughout (as composition builds it)."""
     if OmegaConf.get_type(cfg) is not RunConfig:
         return False

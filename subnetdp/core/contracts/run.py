@@ -48,8 +48,10 @@ class RunContext:
             (:attr:`steps`) and the plan's training-FLOP ratio; else None.
         step_flops: training FLOPs of one step summed over all ranks (every micro-batch's forward
             and backward, counted on ``meta``): the x-axis on which runs of any coverage compare.
-        settings: the config as typed values (:class:`~subnetdp.core.config.Settings`), read once by
-            set-up (None only in a context built by hand around a partial config).
+        settings: ``cfg`` as typed values (:class:`~subnetdp.core.config.Settings`), made from it when
+            the context is made, so the two never disagree (a context copied with another ``cfg``,
+            ``dataclasses.replace(ctx, cfg=...)``, gets that config's settings). None for a context
+            built by hand around a partial config.
 
     What the run derives from its config is here, never written back into it: :attr:`steps` (the
     FLOP-matched count) and ``run_dir`` (with the name rank 0 made when ``run.name`` is empty).
@@ -67,7 +69,13 @@ class RunContext:
     tasks: Any = None
     flop_match: Optional[dict] = None
     step_flops: Optional[float] = None
-    settings: Optional["Settings"] = None
+    settings: Optional["Settings"] = field(init=False, default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        from subnetdp.core.config.settings import Settings, is_composed
+
+        typed = Settings.from_config(self.cfg) if is_composed(self.cfg) else None
+        object.__setattr__(self, "settings", typed)  # frozen: set once, here
 
     @property
     def steps(self) -> int:
