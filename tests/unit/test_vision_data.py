@@ -217,3 +217,23 @@ def test_a_shard_smaller_than_one_batch_names_the_batch_size(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.batch_size=16: each of the 4 ranks' shards holds 7 of the 30 .*"
                                           r"train\.batch_size<=7"):
         data.train_loader(0, 4, 16)
+
+
+def test_digits_read_from_the_file_equal_scikit_learns_loader_without_importing_it():
+    import subprocess
+    import sys
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from subnetdp.plugins.data.digits import _digits
+
+    images, target = _digits()
+    d = load_digits()
+    assert np.array_equal(images, d.images) and images.dtype == d.images.dtype
+    assert np.array_equal(target, d.target)
+    # A worker that loads the digits does not pay for importing scikit-learn.
+    code = ("import sys; from subnetdp.plugins.data.digits import _digits; _digits(); "
+            "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -6,10 +6,13 @@ A fixed, seeded split holds out ``test_fraction`` of the images; ``data.image_si
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +21,22 @@ from subnetdp.plugins.data._sharded import InMemoryData
 
 NUM_IMAGES = 1797  # scikit-learn's digits
 LOAD_COPIES = 3  # resized, normalised, and the split's contiguous copies
+
+
+def _digits() -> tuple[Any, Any]:
+    """The images (N, 8, 8) and labels of scikit-learn's ``digits.csv.gz``, read as ``load_digits`` reads it.
+
+    Read directly: importing ``sklearn.datasets`` costs about a second of CPU in every worker.
+    """
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        return d.images, d.target
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
 
 
 @dataclass
@@ -54,11 +73,9 @@ class DigitsData(InMemoryData):
 
     def _load(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         if self._splits is None:
-            from sklearn.datasets import load_digits
-
-            d = load_digits()
-            x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-            y = torch.tensor(d.target, dtype=torch.int64)
+            images, target = _digits()
+            x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+            y = torch.tensor(target, dtype=torch.int64)
             size = self.cfg.image_size
             if size != 8:
                 x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
