@@ -224,22 +224,3 @@ def test_a_unit_with_no_surviving_owner_and_no_checkpoint_restarts_and_names_the
                      rf"lack layer\S* .*\(no surviving owner\) in {re.escape(str(aside))}", proc.stdout), proc.stdout[-3000:]
     assert sorted(p.name for p in aside.glob("*/step_*")) == ["step_00000003.rank_0"]
     assert proc.returncode == 0 and (ck.step_dir(run, END) / ck.MANIFEST).is_file()
-
-
-def test_the_local_launcher_restarts_the_workers_after_a_killed_one(tmp_path):
-    # launch.max_restarts with launch.nproc=N: rank 1 is SIGKILLed after step 3, the launcher restarts
-    # the group once and the run ends at its last step (it used to end with exit 2 and a resume command).
-    run = tmp_path / "again"
-    cmd = [sys.executable, "-m", "subnetdp", *COMMON, "launch.nproc=2", "launch.max_restarts=1", "checkpoint.every=2",
-           f"run.dir={tmp_path}", "run.name=again"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, start_new_session=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", ck.KILL_AT_STEP: "3"})
-    console = proc.stdout + proc.stderr
-    assert proc.returncode == 0, console[-5000:]
-    assert ck.fault_marker(run, ck.KILL_AT_STEP, 3, 1).exists()  # the SIGKILL happened
-    assert "restarted up to 1 time(s) after a failure" in proc.stdout
-    assert "the launcher restarts the workers (restart 1 of 1)" in proc.stderr, proc.stderr
-    assert re.search(r"resumed from \S+ \(step [23]\)", proc.stdout), proc.stdout
-    assert (run / "summary.json").is_file() and f'"steps": {END}' in (run / "summary.json").read_text()
-    assert "Traceback" not in console, console[-5000:]
-    _assert_no_process_left(run)
