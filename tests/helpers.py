@@ -301,3 +301,58 @@ class as_nobody:
         if self.root:
             os.setresuid(0, 0, 0)
             os.setresgid(0, 0, 0)
+
+
+# Processes of a job, read from /proc (Linux): what a test of signals and kills checks is gone.
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid``."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p}
+        found |= kids
+        todo += list(kids)
+    return found
+
+
+def training_workers(pid: int) -> set[int]:
+    """The descendants of ``pid`` that run ``subnetdp ... train`` (a launcher's workers, or torchrun and its workers)."""
+    found = set()
+    for p in descendants(pid):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"subnetdp" in cmdline and b"train" in cmdline:
+            found.add(p)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie is not)."""
+    out = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(p)
+    return out
+
+
+def gone_within(pids: set[int], seconds: float) -> set[int]:
+    """Wait up to ``seconds`` for ``pids`` to end; those still alive then."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)

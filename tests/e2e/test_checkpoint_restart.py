@@ -1,10 +1,11 @@
-"""Crashes, restarts and export through the real launcher (2 gloo ranks under ``torchrun``).
+"""Crashes, restarts and export through the real launchers (2 gloo ranks).
 
-One uninterrupted 6-step run is the reference. A run whose rank 1 is SIGKILLed after step 4 under
-``torchrun --max-restarts 1`` (restarted group: 3 steps from a checkpoint + resume to 6), and a run
-killed inside a checkpoint write then resumed (2 steps + resume to 6), must both end with exactly the
-reference's tensors: parameters, BatchNorm buffers, on both ranks. The reference's export must load into a plain torchvision
-ResNet-18 and score the accuracy the run reported for its union model.
+One uninterrupted 6-step run under ``torchrun`` is the reference. A run whose rank 1 is SIGKILLed after
+step 4 under ``subnetdp train launch.nproc=2 launch.max_restarts=1`` (restarted group: 3 steps from a
+checkpoint + resume to 6), and a torchrun run killed inside a checkpoint write then resumed (2 steps +
+resume to 6), must both end with exactly the reference's tensors: parameters, BatchNorm buffers, on
+both ranks. The reference's export must load into a plain torchvision ResNet-18 and score the accuracy
+the run reported for its union model.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ COMMON = ["train", "resnet18_digits", "train.steps=6", "train.batch_size=8", "tr
           "optim.warmup_steps=0", "masker.coverage=0.5", "launch.threads_per_rank=1", "train.progress=false"]
 
 
-def _torchrun(tmp: Path, name: str, *extra: str, restarts: int = 0, env: dict | None = None,
-              ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts), "-m", "subnetdp",
+def _torchrun(tmp: Path, name: str, *extra: str, env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "subnetdp",
            *COMMON, f"run.dir={tmp}", f"run.name={name}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
@@ -62,11 +62,24 @@ def reference(tmp_path_factory) -> Path:
     return tmp / "ref"
 
 
-def test_sigkilled_rank_restarts_from_the_last_checkpoint_and_matches(reference, tmp_path):
-    proc = _torchrun(tmp_path, "killed", "resume=auto", "checkpoint.every=3", restarts=1, env={ck.KILL_AT_STEP: "4"})
+def test_the_local_launcher_restarts_a_sigkilled_rank_from_the_last_checkpoint_and_matches(reference, tmp_path):
+    # launch.max_restarts with launch.nproc=N (torchrun's --max-restarts is test_recovery.py's): rank 1 is
+    # SIGKILLed after step 4, the launcher restarts the group once and the run ends at its last step
+    # (it used to end with exit 2 and a resume command), with the uninterrupted torchrun run's tensors.
+    cmd = [sys.executable, "-m", "subnetdp", *COMMON, "launch.nproc=2", "launch.max_restarts=1", "resume=auto",
+           "checkpoint.every=3", f"run.dir={tmp_path}", "run.name=killed"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", ck.KILL_AT_STEP: "4"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-5000:]
     run = tmp_path / "killed"
     assert ck.fault_marker(run, ck.KILL_AT_STEP, 4, 1).exists()  # the kill really happened
+    assert "restarted up to 1 time(s) after a failure" in proc.stdout
+    assert "the launcher restarts the workers (restart 1 of 1)" in proc.stderr, proc.stderr
     assert f"resumed from {ck.step_dir(run, 3)} (step 3)" in proc.stdout
+    assert "Traceback" not in console, console[-5000:]
+    left = subprocess.run(["pgrep", "-f", f"run.dir={tmp_path} "], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left running: {left}"
     _assert_same(_final_tensors(run), _final_tensors(reference))
     ref_summary = json.loads((reference / "summary.json").read_text())
     summary = json.loads((run / "summary.json").read_text())

@@ -3,8 +3,10 @@
 One real run (4 gloo ranks under the plain launcher, ResNet-18 on digits at C = 0.5 with
 ``masker.min_owners=2``, ``seed=1``, a checkpoint at step 3) loses rank 1 in step 6: ranks 0, 2
 and 3 keep step 5 in ``checkpoints/survivors``, each unit written by its lowest surviving owner.
-Copies of that directory are then damaged one way each and assembled (the table), branched from
-step 3 by an explicit resume, copied into another run, and evaluated after assembly.
+Its console reads one line per survivor (the dead rank, the step, what it kept, the command that
+continues, its log) and one from the launcher naming the logs, each of which holds the survivor's
+traceback. Copies of that directory are then damaged one way each and assembled (the table), branched
+from step 3 by an explicit resume, copied into another run, and evaluated after assembly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,23 +38,63 @@ COMMON = ["train", "resnet18_digits", "train.batch_size=4", "train.log_every=2",
           "launch.threads_per_rank=1", "train.progress=false", "checkpoint.keep=0", "checkpoint.every=3"]
 
 
-def _train(run_dir: Path, *extra: str, nproc: int = 4, env: dict | None = None, rc: int = 0) -> str:
+def _run(run_dir: Path, *extra: str, nproc: int = 4, env: dict | None = None, rc: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "subnetdp", *COMMON, f"launch.nproc={nproc}", f"run.dir={run_dir.parent}",
            f"run.name={run_dir.name}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, start_new_session=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
+    return proc
+
+
+def _train(run_dir: Path, *extra: str, nproc: int = 4, env: dict | None = None, rc: int = 0) -> str:
+    proc = _run(run_dir, *extra, nproc=nproc, env=env, rc=rc)
     return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
+def killed(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The source run and what its console said."""
     run = tmp_path_factory.mktemp("src") / "src"
-    _train(run, "train.steps=6", "resume=auto", env={ck.KILL_IN_SYNC: "6"}, rc=2)
+    proc = _run(run, "train.steps=6", "resume=auto", env={ck.KILL_IN_SYNC: "6"}, rc=2)
     found = sorted(p.name for p in survivors.survivors_dir(run).iterdir())
     assert found == [f"step_00000005.rank_{r}" for r in (0, 2, 3)], found
-    return run
+    return run, proc
+
+
+@pytest.fixture(scope="module")
+def source(killed) -> Path:
+    return killed[0]
+
+
+def test_a_killed_worker_reads_as_one_line_per_rank_with_the_traceback_in_the_run_directory(killed):
+    # The source run, under the plain launcher with no restart: everything on the console is subnetdp's own.
+    run, proc = killed
+    left = subprocess.run(["pgrep", "-f", f"run.dir={run.parent} "], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left running: {left}"
+    console = proc.stdout + proc.stderr
+    assert "Traceback" not in console and "GLHF" not in console and "printed above" not in console, console
+    lines = proc.stderr.splitlines()
+    for r in (0, 2, 3):  # each survivor: one line naming the dead rank, the step, what to do and its log
+        mine = [line for line in lines if f"rank {r} " in line]
+        assert len(mine) == 1, lines
+        assert mine[0].startswith(f"subnetdp: error: rank {r} stopped in step 6: rank 1 died (the connection closed "
+                                  "during all_reduce over ranks"), mine[0]
+        assert f"it kept its units as of step 5 in {survivors.fragment_dir(run, 5, r)}" in mine[0]
+        assert re.search(r"continue with: \S+ -m subnetdp train resnet18_digits ", mine[0]) and "resume=auto" in mine[0]
+        log = run / "logs" / f"rank_{r}.log"
+        assert mine[0].endswith(f"; the full error: {log}"), mine[0]
+        text = log.read_text()  # the traceback, with gloo's own words for the lost connection
+        said = mine[0][len("subnetdp: error: "):].rsplit("; the full error: ", 1)[0]
+        assert f"\n{said}\n" in text and "Traceback (most recent call last)" in text, text
+        assert "GLHF" in text and "PeerLost: rank 1 died" in text, text
+    assert not (run / "logs" / "rank_1.log").exists()  # a SIGKILL leaves no word of its own
+    # The launcher: who failed and how, and where their errors are; nothing else (no SIGTERM notice).
+    assert lines[-1] == (f"subnetdp: error: a worker failed (rank 0: exit code 2; rank 1: killed by SIGKILL; rank 2: "
+                         f"exit code 2; rank 3: exit code 2); the full errors are in {run / 'logs'} (rank_0.log, "
+                         "rank_2.log, rank_3.log)"), lines
+    assert len([line for line in lines if not line.startswith("subnetdp: warning: ")]) == 4, lines
 
 
 def _copy(source: Path, dst: Path) -> Path:

@@ -2,8 +2,9 @@
 
 A launcher (``subnetdp train launch.nproc=2``, a real process with 2 gloo workers) takes the lock
 before it starts any worker and hands it to its workers' rank 0, so a second job stops at once,
-before it starts anything. Once the holder is killed, a new run under the same name is refused (it
-would mix its metrics with the old run's) unless ``run.overwrite=true`` deletes the old run first.
+before it starts anything. The holder is then SIGKILLed, which takes its workers along. After that, a
+new run under the same name is refused (it would mix its metrics with the old run's) unless
+``run.overwrite=true`` deletes the old run first.
 The refused jobs run in this process, through the command line's own entry point (a refused job
 starts nothing, which is the point, and saves a Python start each); the run that overwrites is a
 real process again.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from subnetdp import cli
 from subnetdp.train.runlock import LOCK_FILE
+from tests.helpers import gone_within, training_workers
 
 PY = [sys.executable, "-m", "subnetdp", "train", "resnet18_digits", "masker.coverage=1",
       "train.batch_size=8", "optim.warmup_steps=0", "launch.threads_per_rank=1", "train.progress=false",
@@ -42,7 +44,8 @@ def _refused(capsys, tmp: Path, *extra: str) -> str:
     return lines[0]
 
 
-def test_the_launcher_holds_the_lock_before_its_workers_and_a_second_job_stops_at_once(tmp_path, capsys):
+def test_the_launcher_holds_the_lock_before_its_workers_a_second_job_stops_at_once_and_a_sigkill_takes_them_along(
+        tmp_path, capsys):
     holder = subprocess.Popen([*PY, f"run.dir={tmp_path}", "train.steps=100000", "launch.nproc=2", "comm.name=gloo"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     run = tmp_path / "busy"
@@ -62,9 +65,13 @@ def test_the_launcher_holds_the_lock_before_its_workers_and_a_second_job_stops_a
             err = _refused(capsys, tmp_path, "train.steps=1", *extra)
             assert err.startswith("subnetdp: error: run directory") and f"pid {holder.pid}" in err, err
         assert json.loads(lock.read_text())["pid"] == holder.pid  # nobody took the lock from it
+        workers = training_workers(holder.pid)
+        assert len(workers) == 2, workers
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(30)
+    # The SIGKILLed launcher takes its workers along (they die with their parent, prctl PDEATHSIG).
+    assert not gone_within(workers, 5), "workers outlived their SIGKILLed launcher"
 
     # The kernel released the dead holder's lock, but its run is still there: a new run under its
     # name is refused, by a launcher before it starts workers and by a single process alike.

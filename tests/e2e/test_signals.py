@@ -3,8 +3,8 @@
 Real processes, real signals sent to the launcher by PID: SIGTERM stops both ranks after a step
 with a checkpoint that a resumed run continues from, then ``resume=auto`` on the finished run
 leaves it untouched; a second signal aborts at once; Ctrl-C to ``subnetdp launch`` (torchrun) stops
-at a step with a checkpoint and one line; SIGKILL of ``subnetdp train launch.nproc=2`` and of
-``subnetdp launch`` takes every worker with it.
+at a step with a checkpoint and one line; SIGKILL of ``subnetdp launch`` takes every worker with it
+(that of ``subnetdp train launch.nproc=2`` is checked on test_run_lock.py's job, which ends so anyway).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.train.stopping import STOP_HOLD
+from tests.helpers import alive, descendants, gone_within, training_workers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")
 
@@ -30,36 +31,6 @@ SUBNETDP = [sys.executable, "-m", "subnetdp"]
 ARGS = ["resnet18_digits", "train.steps=400", "optim.warmup_steps=0", "train.batch_size=8", "train.log_every=1", "train.progress=false",
         "eval.bn_recalibrate_batches=2", "eval.every=0", "launch.threads_per_rank=1", "checkpoint.keep=2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _children(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        kids = {c for c, pp in parents.items() if pp == p}
-        found |= kids
-        todo += list(kids)
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    out = set()
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(p)
-    return out
 
 
 def _start(cmd: list[str], run: Path, env: dict | None = None) -> tuple[subprocess.Popen, set[int]]:
@@ -77,17 +48,9 @@ def _start(cmd: list[str], run: Path, env: dict | None = None) -> tuple[subproce
     else:
         proc.kill()
         pytest.fail("the run logged no step within 180 s")
-    workers = {p for p in _children(proc.pid)
-               if b"subnetdp" in Path(f"/proc/{p}/cmdline").read_bytes() and b"train" in Path(f"/proc/{p}/cmdline").read_bytes()}
+    workers = training_workers(proc.pid)
     assert len(workers) >= 2, workers
     return proc, workers
-
-
-def _gone_within(pids: set[int], seconds: float) -> set[int]:
-    deadline = time.monotonic() + seconds
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _alive(pids)
 
 
 def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alone(tmp_path):
@@ -97,7 +60,7 @@ def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alo
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=150)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "Traceback" not in out + err and not _gone_within(workers, 5)
+    assert "Traceback" not in out + err and not gone_within(workers, 5)
     lines = [ln for ln in err.splitlines() if ln.startswith("subnetdp: stopped")]
     assert len(lines) == 1, err[-3000:]
     step = int(re.search(r"after step (\d+)", lines[0]).group(1))
@@ -125,7 +88,7 @@ def test_sigterm_checkpoints_then_resume_finishes_and_a_finished_run_is_left_alo
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
-def test_a_second_signal_aborts_at_once_and_sigkill_takes_the_workers_along(tmp_path):
+def test_a_second_signal_aborts_at_once(tmp_path):
     # The stopping ranks hold 5 s before their checkpoint, so the second signal (0.3 s later) is sure
     # to arrive during the first stop however fast a step is on this machine.
     proc, workers = _start([*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=twice"],
@@ -136,13 +99,7 @@ def test_a_second_signal_aborts_at_once_and_sigkill_takes_the_workers_along(tmp_
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in out + err, err[-3000:]
     assert "second signal (SIGINT): aborting now" in err, err[-3000:]  # the person's Ctrl-C, not the agent's SIGTERM
-    assert not _gone_within(workers, 5)
-
-    proc, workers = _start([*SUBNETDP, "train", *ARGS, "launch.nproc=2", f"run.dir={tmp_path}", "run.name=killed"],
-                           tmp_path / "killed")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    assert not _gone_within(workers, 5), "workers outlived their SIGKILLed launcher"
+    assert not gone_within(workers, 5)
 
 
 def test_ctrl_c_and_sigkill_of_subnetdp_launch_under_torchrun(tmp_path):
@@ -154,7 +111,7 @@ def test_ctrl_c_and_sigkill_of_subnetdp_launch_under_torchrun(tmp_path):
     out, err = proc.communicate(timeout=150)
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     assert "Traceback" not in out + err, err[-3000:]
-    assert "torchrun: stopped by SIGINT" in err and not _gone_within(workers, 5)
+    assert "torchrun: stopped by SIGINT" in err and not gone_within(workers, 5)
     saved = ck.latest_checkpoint(tmp_path / "interrupted")
     assert saved is not None and json.loads((saved / ck.MANIFEST).read_text())["step"] >= 2
 
@@ -168,15 +125,15 @@ def test_ctrl_c_and_sigkill_of_subnetdp_launch_under_torchrun(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in out + err, err[-3000:]
     assert "second signal (SIGINT): aborting now" in err, err[-3000:]
     assert "torchrun: stopped by a second SIGINT: the workers aborted at once, without a checkpoint" in err, err[-3000:]
-    assert not _gone_within(workers, 5)
+    assert not gone_within(workers, 5)
 
     # SIGKILL of `subnetdp launch` takes torchrun and the workers with it.
     cmd = [*SUBNETDP, "launch", "--nproc", "2", *ARGS, f"run.dir={tmp_path}", "run.name=launched"]
     proc, workers = _start(cmd, tmp_path / "launched")
-    below = _children(proc.pid)  # torchrun and its workers
+    below = descendants(proc.pid)  # torchrun and its workers
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
-    assert not _gone_within(below | workers, 5), "torchrun or workers outlived subnetdp launch"
+    assert not gone_within(below | workers, 5), "torchrun or workers outlived subnetdp launch"
 
 
 def _rank_of(pid: int) -> int | None:
@@ -197,10 +154,10 @@ def test_a_stalled_peer_under_sigterm_is_named_while_the_launcher_waits_and_when
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
-        for p in _alive(workers):
+        for p in alive(workers):
             os.kill(p, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert not _gone_within(workers, 5)
+    assert not gone_within(workers, 5)
     stalled = f"rank 1 (pid {ranks[1]}) is stopped (state T: SIGSTOP"
     waiting = [ln for ln in err.splitlines() if ln.startswith("subnetdp: SIGTERM ") and "waiting for 2 of 2 workers" in ln]
     assert waiting and stalled in waiting[0] and "killed in" in waiting[0], err[-3000:]
