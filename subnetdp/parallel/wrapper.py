@@ -143,11 +143,11 @@ class SubnetworkParallel(nn.Module):
         the communicator it already initialised and the ``sync.*`` settings (per-step owner-group
         averaging, unsharded). Collective: every rank creates every owner group, in the same order.
         """
-        # collective: make_synchronizer creates the owner groups (the communicator keeps them).
+        if settings.mode == "local_steps":
+            raise ValueError("SubnetworkParallel averages every step: sync.mode=local_steps keeps its own synchroniser")
+        # collective: make_synchronizer creates the owner groups (the communicator keeps them); unsharded
+        # and every step, it makes an OwnerGroupAverager.
         averager = make_synchronizer(settings, module, pmap, plan, partition, comm)
-        if not isinstance(averager, OwnerGroupAverager):
-            raise ValueError(f"SubnetworkParallel averages every step; sync.mode={settings.mode} makes "
-                             f"{type(averager).__name__}")
         return cls(module, pmap, plan, partition, comm, averager=averager, before_finish=before_finish)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -40,7 +40,7 @@ from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.variants import regime_of
 from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
-from subnetdp.train.stateful import OptimizerUnits, Stateful
+from subnetdp.train.stateful import ModelUnits, OptimizerUnits, Stateful
 from subnetdp.train.step import StepContext, StepProgress, StepResult, train_step
 
 
@@ -271,9 +271,10 @@ class TrainState(TrainStateView):
 
     def stateful(self) -> dict[str, Stateful]:
         """What a checkpoint holds of this state, one Stateful per component (:mod:`subnetdp.train.stateful`):
-        the optimizer (per parameter), the schedule and the synchroniser, as they are now (a re-plan
-        rebuilds them, so the checkpointer asks at the time and keeps none)."""
-        return {"optimizer": OptimizerUnits(self._model, self._optimizer, self._parallel),
+        the model (per piece), the optimizer (per parameter), the schedule and the synchroniser, as they
+        are now (a re-plan rebuilds them, so the checkpointer asks at the time and keeps none)."""
+        return {"model": ModelUnits(self._model, self._pmap, self._partition, self._plan, self._ctx.rank),
+                "optimizer": OptimizerUnits(self._model, self._optimizer, self._parallel),
                 "scheduler": self._scheduler, "sync": self._sync}
 
     def lasting_tensors(self) -> list[torch.Tensor]:
