@@ -34,7 +34,7 @@ from subnetdp.core.errors import ConfigError
 from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.sdp.construct import Initialiser, initialise
-from subnetdp.sdp.sync import OwnerGroupAverager
+from subnetdp.sdp.sync import OwnerGroupAverager, SyncSettings, make_synchronizer
 from subnetdp.sdp.variants import local_model, partition_model
 from subnetdp.sdp.units import Skip, block_partition, drop_units, find_units, global_map, skip_module
 
@@ -123,20 +123,38 @@ class SubnetworkParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition, comm: Communicator,
-                 bucket_cap_mb: float) -> None:
+                 bucket_cap_mb: float = 25.0, *, averager: OwnerGroupAverager | None = None,
+                 before_finish: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.module, self.pmap, self.plan, self.partition, self.comm = module, pmap, plan, partition, comm
-        self.averager = OwnerGroupAverager(module, self.pmap, plan, partition, comm, bucket_cap_mb=bucket_cap_mb)
-        self._fresh = True  # the next forward starts a new step (gradients are collected anew)
+        self.averager = averager if averager is not None else OwnerGroupAverager(module, self.pmap, plan, partition,
+                                                                                  comm, bucket_cap_mb=bucket_cap_mb)
+        #: Called in the end-of-backward callback before the owner groups' reductions complete (the
+        #: framework's test-only kill point ``SUBNETDP_TEST_KILL_IN_SYNC``); None in a user's loop.
+        self.before_finish = before_finish
         self._queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in module.parameters()
                        if p.requires_grad]
 
+    @classmethod
+    def from_parts(cls, module: nn.Module, pmap: ParamMap, plan: MaskPlan, partition: Partition, comm: Communicator,
+                   settings: SyncSettings, before_finish: Callable[[], None] | None = None) -> "SubnetworkParallel":
+        """The framework's entrance: wrap a rank's model the training state already materialised, with
+        the communicator it already initialised and the ``sync.*`` settings (per-step owner-group
+        averaging, unsharded). Collective: every rank creates every owner group, in the same order.
+        """
+        if settings.mode == "local_steps":
+            raise ValueError("SubnetworkParallel averages every step: sync.mode=local_steps keeps its own synchroniser")
+        # collective: make_synchronizer creates the owner groups (the communicator keeps them); unsharded
+        # and every step, it makes an OwnerGroupAverager.
+        averager = make_synchronizer(settings, module, pmap, plan, partition, comm)
+        return cls(module, pmap, plan, partition, comm, averager=averager, before_finish=before_finish)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fresh and torch.is_grad_enabled():
-            # A loop that did not zero the gradients accumulates onto the averaged ones, as with DDP.
+        if not self.averager.in_step and torch.is_grad_enabled():
+            # A new step (the framework's loop prepared it already). A loop that did not zero the
+            # gradients accumulates onto the averaged ones, as with DDP.
             self.averager.prepare(keep_grads=any(p.grad is not None for p in self.averager.params.values()))
-            self._fresh = False
         return self.module(*args, **kwargs)
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -145,9 +163,18 @@ class SubnetworkParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
+        self._queued = False
+        if self.before_finish is not None:
+            self.before_finish()
         # collective: every rank reaches the end of its backward; the owner groups' reductions complete here.
         self.averager.finish()
-        self._queued, self._fresh = False, True
+
+    def remove_hooks(self) -> None:
+        """Detach from the module (the framework's re-plan builds a new wrapper on the new model)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.averager.remove_hooks()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

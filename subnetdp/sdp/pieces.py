@@ -11,7 +11,7 @@ and can pack buckets that line up coordinate for coordinate even when the ranks'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -79,6 +79,15 @@ def global_items(partition: Partition, plan: MaskPlan, buffers: bool = False) ->
         items.append(Item(name, None, 0, 0, world, tuple(partition.shapes[name])))
     items.sort(key=lambda it: (-position.get(it.name, -1), it.start))
     return items
+
+
+def piece_key(name: str, dim: int | None, start: int, stop: int) -> str:
+    """A piece's key in checkpoints and in the model's Stateful: the global name, and its slice if cut."""
+    return name if dim is None else f"{name}@{dim}:{start}:{stop}"
+
+
+def item_key(it: Any) -> str:
+    return piece_key(it.name, it.dim, it.start, it.stop)
 
 
 class LocalIndex:

@@ -29,6 +29,7 @@ from subnetdp.core.errors import SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.parallel.apply import RankParallelism
 from subnetdp.parallel.memory import training_state_tensors
+from subnetdp.parallel.wrapper import SubnetworkParallel
 from subnetdp.sdp.construct import build_local, empty_local, poisoned
 from subnetdp.sdp.keep_rates import describe, forward_keep_rates, rescale_branches, rising_rates
 from subnetdp.sdp.pieces import LocalIndex
@@ -39,7 +40,7 @@ from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.variants import regime_of
 from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
-from subnetdp.train.stateful import OptimizerUnits, Stateful
+from subnetdp.train.stateful import ModelUnits, OptimizerUnits, Stateful
 from subnetdp.train.step import StepContext, StepProgress, StepResult, train_step
 
 
@@ -143,9 +144,19 @@ class TrainState(TrainStateView):
         self._parallel.apply(model, ctx.adapter)
         self._optimizer = build_optimizer(cfg.optim, model.parameters())
         self._scheduler = build_schedule(cfg.optim, self._optimizer, ctx.steps, start=self._step)
-        # collective: every rank creates every owner group, in the same order.
-        self._sync = make_synchronizer(self._settings, model, pmap, plan, self._partition, ctx.comm,
-                                       sharded=self._parallel.sharding(), last_good=self._last_good)
+        sharded = self._parallel.sharding()
+        self._wrapper: SubnetworkParallel | None = None
+        if sharded is None and self._settings.mode != "local_steps" and not regime_of(cfg.masker).refreshes:
+            # Per-step owner-group averaging goes through the public wrapper, as in a user's loop: its
+            # end-of-backward callback finishes the averaging (one owner-bucket path, two entrances).
+            # collective: every rank creates every owner group, in the same order.
+            self._wrapper = SubnetworkParallel.from_parts(model, pmap, plan, self._partition, ctx.comm, self._settings,
+                                                          before_finish=self._sync_fault(ctx))
+            self._sync = self._wrapper.averager
+        else:
+            # collective: every rank creates every owner group, in the same order.
+            self._sync = make_synchronizer(self._settings, model, pmap, plan, self._partition, ctx.comm,
+                                           sharded=sharded, last_good=self._last_good)
         self._refresher = None
         if regime_of(cfg.masker).refreshes:
             from subnetdp.sdp.backward import Refresher
@@ -153,6 +164,19 @@ class TrainState(TrainStateView):
             # With local steps owners disagree between synchronisations: refresh only right after one.
             self._refresher = Refresher(model, pmap, plan, self._partition, ctx.comm,
                                         int(cfg.masker.refresh_every) * self._settings.cycle, self._settings.bucket_cap_mb)
+
+    def _sync_fault(self, ctx: RunContext) -> Callable[[], None] | None:
+        """Test-only: the wrapper's kill point inside the averaging (``SUBNETDP_TEST_KILL_IN_SYNC``), at the
+        step in progress; None in every real run."""
+        fault = step_faults(ctx.rank, ctx.run_dir)
+        return None if fault is None else lambda: fault("sync", self._progress.step)
+
+    def _detach(self) -> None:
+        """Take the synchroniser's (and the wrapper's) hooks off the model: its gradients are nobody's business now."""
+        if self._wrapper is not None:
+            self._wrapper.remove_hooks()
+        else:
+            self._sync.remove_hooks()
 
     # ------------------------------------------------------------------ read-only view
     @property
@@ -174,6 +198,13 @@ class TrainState(TrainStateView):
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def wrapper(self) -> Optional[SubnetworkParallel]:
+        """The public wrapper :attr:`model` trains through (per-step owner-group averaging, unsharded,
+        forward masking), or None (local steps, FSDP shards and backward masking keep their own
+        synchronisers). :attr:`model` is its ``module``: names, checkpoints and hooks see no prefix."""
+        return self._wrapper
 
     @property
     def pmap(self) -> ParamMap:
@@ -211,7 +242,8 @@ class TrainState(TrainStateView):
                            guard=self._guard, scheduler=self._scheduler, refresher=self._refresher,
                            accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
                            autocast=self._parallel.autocast, device=self._ctx.comm.device,
-                           last_step=self._ctx.steps, fault=step_faults(self._ctx.rank, self._ctx.run_dir))
+                           last_step=self._ctx.steps, fault=step_faults(self._ctx.rank, self._ctx.run_dir),
+                           averaged_in_backward=self._wrapper is not None)
 
     def train_step(self, batches: Iterator[Any], *, step: int, need_norm: bool = False,
                    probe: Callable[[list[Any]], None] | None = None,
@@ -239,9 +271,10 @@ class TrainState(TrainStateView):
 
     def stateful(self) -> dict[str, Stateful]:
         """What a checkpoint holds of this state, one Stateful per component (:mod:`subnetdp.train.stateful`):
-        the optimizer (per parameter), the schedule and the synchroniser, as they are now (a re-plan
-        rebuilds them, so the checkpointer asks at the time and keeps none)."""
-        return {"optimizer": OptimizerUnits(self._model, self._optimizer, self._parallel),
+        the model (per piece), the optimizer (per parameter), the schedule and the synchroniser, as they
+        are now (a re-plan rebuilds them, so the checkpointer asks at the time and keeps none)."""
+        return {"model": ModelUnits(self._model, self._pmap, self._partition, self._plan, self._ctx.rank),
+                "optimizer": OptimizerUnits(self._model, self._optimizer, self._parallel),
                 "scheduler": self._scheduler, "sync": self._sync}
 
     def lasting_tensors(self) -> list[torch.Tensor]:
@@ -258,7 +291,7 @@ class TrainState(TrainStateView):
         the plan to go on with. The model, optimizer, schedule and synchroniser are rebuilt for the new
         world (its owner groups are new) and filled from ``source``, as any re-plan is.
         """
-        self._sync.remove_hooks()
+        self._detach()
         self._ctx, self._plan = ctx, before
         self._replan(new_plan, source, rebuild=True)
 
@@ -279,7 +312,7 @@ class TrainState(TrainStateView):
         ctx, previous = self._ctx, None
         if rebuild:
             previous = Holding(self._model, self._pmap, self._plan)
-            self._sync.remove_hooks()  # the old model's gradients are nobody's business from now on
+            self._detach()  # the old model's gradients are nobody's business from now on
             model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition, ctx.cfg.masker,
                                       ctx.comm.device)
             self._install(model, pmap, new_plan)

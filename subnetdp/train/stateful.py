@@ -7,6 +7,8 @@ their insides. Those that keep state per parameter key it by the parameter's loc
 of its parameter's local shape, so the checkpointer cuts it into pieces and keys it by unit like the
 parameter (``train/checkpoints/units.py``):
 
+- :class:`ModelUnits`: the rank's model, keyed by piece (a unit's slice of a global tensor, or a shared
+  tensor): ``{"params": {piece key: view}, "buffers": {piece key: view}}``;
 - the synchroniser: ``{"pieces": {prefix: {local name: tensor}}, "rank": {...}}`` (``sdp/sync/protocol.py``);
 - :class:`OptimizerUnits`: the optimizer's class, its groups' hyper-parameters and each parameter's state;
 - :class:`HostRng`: the torch, numpy and Python RNG states;
@@ -25,7 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from subnetdp.core.contracts import ParamMap, Partition
 from subnetdp.core.errors import CheckpointError
+from subnetdp.core.plan import MaskPlan
+from subnetdp.sdp.pieces import LocalIndex, global_items, item_key
 
 
 class Stateful(Protocol):
@@ -146,3 +151,46 @@ class OptimizerUnits:
             self.parallel.optimizer_state_from_full(optimizer)
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"its optimizer state does not fit this run ({e})") from None
+
+
+class ModelUnits:
+    """The rank's model as a Stateful keyed by piece, not by its local names: every piece the rank holds
+    under ``plan`` (a unit's slice of a global tensor, or a shared tensor) under its checkpoint key
+    (:func:`~subnetdp.sdp.pieces.item_key`, the global name and slice), so a rank holding other units
+    (a resume on another plan or world size) takes exactly its own pieces from any checkpoint. Like
+    :meth:`subnetdp.parallel.wrapper.SubnetworkParallel.unit_state_dict`, but every piece the rank
+    holds (the checkpointer picks each piece's writer) and the live views, not copies.
+
+    ``state_dict()``: ``{"params": {key: view}, "buffers": {key: view}}``, views into the model's
+    tensors (taken at the call: inside ``gathered()`` for a sharded model). ``load_state_dict(state)``
+    copies ``state["params"][key]`` into every parameter piece the rank holds (a missing key is a
+    KeyError), and the buffers ``state["buffers"]`` holds; ``state`` may be any mapping (the
+    checkpointer's reads a piece from disk when asked).
+    """
+
+    def __init__(self, model: nn.Module, pmap: ParamMap, partition: Partition, plan: MaskPlan, rank: int) -> None:
+        self.model, self.pmap, self.partition, self.plan, self.rank = model, pmap, partition, plan, rank
+
+    def _views(self, buffers: bool) -> dict[str, torch.Tensor]:
+        index = LocalIndex(self.model, self.pmap)
+        out = {}
+        for it in global_items(self.partition, self.plan, buffers=buffers):
+            found = index.find(it) if self.rank in it.owners else None
+            if found is not None:
+                out[item_key(it)] = index.view(it)
+            elif not buffers and self.rank in it.owners:  # the plan says this rank holds it
+                raise CheckpointError(f"rank {self.rank} owns {item_key(it)} but its model does not hold it "
+                                      "(model and plan disagree)")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self._views(False), "buffers": self._views(True)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key, view in self._views(False).items():
+            view.copy_(state["params"][key])
+        values = state.get("buffers") or {}
+        for key, view in self._views(True).items():
+            if key in values:
+                view.copy_(values[key])

@@ -70,6 +70,9 @@ class StepContext:
         last_step: the run's last step (``train.steps``): local steps synchronise there whatever the cycle.
         fault: test-only: called with ``"sync"`` before the averaging completes and ``"update"``
             after the update (real kills at those moments); None in every real run.
+        averaged_in_backward: the model trains through :class:`~subnetdp.parallel.wrapper.SubnetworkParallel`,
+            whose end-of-backward callback finishes the averaging (and fires the ``"sync"`` fault), as in
+            a user's loop; the step's own ``sync.finish()`` then does nothing.
     """
 
     model: torch.nn.Module
@@ -85,6 +88,7 @@ class StepContext:
     device: torch.device | None = None
     last_step: int = 0
     fault: Callable[[str, int], None] | None = None  # test-only fault injection (``sync``, ``update``)
+    averaged_in_backward: bool = False
 
 
 def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm: bool = False,
@@ -124,9 +128,11 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
             if last:
                 guard.carry(sync, loss_sum, signal())  # the loss's inf/NaN flag and a stop travel with the gradients
             loss.backward()
-    if ctx.fault is not None:
-        ctx.fault("sync", step)
-    sync.finish()  # collective: owner groups average this step's gradients
+    if ctx.fault is not None and not ctx.averaged_in_backward:
+        ctx.fault("sync", step)  # the wrapper fires it in its end-of-backward callback
+    # collective: owner groups average this step's gradients (through the wrapper, the last backward
+    # did, from its end-of-backward callback, and this call does nothing).
+    sync.finish()
     if probe is not None:
         probe(seen)  # collective: every rank reaches the probe on the same steps
     # collective below C = 1: every rank learns whether any rank saw inf/NaN (train.on_nonfinite) or

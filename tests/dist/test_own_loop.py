@@ -182,14 +182,27 @@ def test_parallelize_needs_a_process_group():
 
 def _framework_and_wrapper(rank: int, world: int, init_method: str, cache: str) -> dict:
     from subnetdp.sdp.construct import meta_model
+    from subnetdp.sdp.sync import OwnerGroupAverager
     from subnetdp.train.setup import build_plan
     from tests.helpers import lm_config, plugin_manager, train_gathered
 
+    # Where each averaging runs: inside a backward (autograd's end-of-backward callback, a graph task is
+    # current) or after it; counted only when it averages (finish is idempotent within a step).
+    paths: list[str] = []
+    finish = OwnerGroupAverager.finish
+
+    def counted(self) -> None:
+        if getattr(self, "_phase", None) != "finished":
+            paths.append("backward" if torch._C._current_graph_task_id() != -1 else "after")
+        finish(self)
+
+    OwnerGroupAverager.finish = counted
     cfg = lm_config(init_method, cache, "masker.coverage=0.5", "optim.warmup_steps=0", "optim.schedule=constant")
     framework, _, _ = train_gathered(cfg, rank, world)  # the framework's loop, then its group is gone
+    out = {"framework": framework, "framework_paths": paths[:]}
     dist.init_process_group("gloo", init_method=init_method + "-own", rank=rank, world_size=world)
+    paths.clear()
     data, spec, adapter, _, _, plan = build_plan(cfg, world, plugin_manager())
-    out = {"framework": framework}
     for way, units in (("glob", "layers.*"), ("adapter", adapter)):  # units by path, or the adapter's partition
         model = subnetdp.parallelize(meta_model(adapter, spec), units=units, coverage=0.5, seed=int(cfg.seed),
                                      init=adapter.init_module, spec=spec)
@@ -201,18 +214,23 @@ def _framework_and_wrapper(rank: int, world: int, init_method: str, cache: str) 
             opt.step()
             opt.zero_grad()
         out[way] = {model.pmap.pieces[n][0].global_name: p.detach().clone() for n, p in model.module.named_parameters()}
+        out[f"{way}_paths"], paths[:] = paths[:], []
         out[f"{way}_plan"] = plan.owned == model.plan.owned
     dist.destroy_process_group()
     return out
 
 
 def test_framework_loop_and_user_loop_agree(tmp_path):
-    """The same plan, data and seed give the same parameters through the framework's loop and the wrapper."""
+    """The same plan, data and seed give the same parameters through the framework's loop and the wrapper,
+    and both average on one path: once a step, from autograd's end-of-backward callback."""
     from subnetdp.plugins.data.tokens import TokensConfig, TokensData
 
     cache = tmp_path / "cache"
     TokensData(TokensConfig(root="stdlib", cache_dir=str(cache), stdlib_max_mb=0.5), seed=0).check()  # once, before the ranks
     for r, res in enumerate(run_ranks(_framework_and_wrapper, 2, tmp_path, str(cache), timeout=300)):
+        steps = len(res["glob_paths"])
+        assert steps > 0 and res["glob_paths"] == ["backward"] * steps  # the user's loop: DDP's place
+        assert res["framework_paths"] == res["glob_paths"] == res["adapter_paths"], f"rank {r}"
         for way in ("glob", "adapter"):
             assert res[f"{way}_plan"]
             assert res["framework"].keys() == res[way].keys()

@@ -52,7 +52,18 @@ def test_local_steps_state_round_trips_through_a_checkpoint_mid_cycle(tmp_path):
     # The optimizer, per parameter name: equal after the resume, and taken back by name by an
     # optimizer whose parameters come in another order.
     states = resumed.state.stateful()
-    assert set(states) == {"optimizer", "scheduler", "sync"} and states["sync"] is resumed.state.synchronizer
+    assert set(states) == {"model", "optimizer", "scheduler", "sync"} and states["sync"] is resumed.state.synchronizer
+    # The model, per piece (global name, and slice when cut): equal after the resume, no "module." prefix,
+    # and loaded back by key into a model whose values were wiped.
+    model, want_model = states["model"].state_dict(), straight.state.stateful()["model"].state_dict()
+    assert model["params"].keys() == want_model["params"].keys() and model["params"]
+    assert {k.split("@")[0] for k in model["params"]} == {resumed.state.pmap.pieces[n][0].global_name for n in params}
+    assert all(torch.equal(t, want_model["params"][k]) for k, t in model["params"].items())
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    states["model"].load_state_dict({k: {n: t.clone() for n, t in d.items()} for k, d in want_model.items()})
+    assert all(torch.equal(t, want_model["params"][k]) for k, t in states["model"].state_dict()["params"].items())
     got, want = states["optimizer"].state_dict(), straight.state.stateful()["optimizer"].state_dict()
     assert got["class"] == "AdamW" and set(got["params"]) == set(params) and len(got["param_groups"]) == 1
     for name, per in want["params"].items():

@@ -103,6 +103,10 @@ class OwnerGroupAverager(EveryStepSync):
             self._carrier.numel += FLAG_SLOTS * comm.world_size
         self._flags: torch.Tensor | None = None
         self._carried: torch.Tensor | None = None
+        # Where the step stands: "idle" (built), "open" (prepared), "finished" (averaged). finish() runs
+        # once per step: the wrapper's end-of-backward callback runs it, and the framework's step calls
+        # it again afterwards for the synchronisers that finish only there.
+        self._phase = "idle"
         self._bind()
 
     def _bucket(self, owners: tuple[int, ...], items: list[Item], own_only: bool) -> Bucket:
@@ -204,6 +208,12 @@ class OwnerGroupAverager(EveryStepSync):
         self._flags, self._carried = None, None
         self._copied: set[str] = set()
         self._next = {owners: 0 for owners in self._order}
+        self._phase = "open"
+
+    @property
+    def in_step(self) -> bool:
+        """Prepared and not yet finished: a step's gradients are being collected."""
+        return self._phase == "open"
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -283,10 +293,19 @@ class OwnerGroupAverager(EveryStepSync):
         self._next[owners] = i
 
     def finish(self) -> None:
-        """Complete the step's averaging: launch what backward did not, wait, divide, copy out."""
+        """Complete the step's averaging: launch what backward did not, wait, divide, copy out.
+
+        Idempotent: once a step is finished, a second call does nothing until the next :meth:`prepare`.
+        """
+        if self._phase == "finished":
+            return
         if self.dense:
             self._finish_dense()
-            return
+        else:
+            self._finish_grouped()
+        self._phase = "finished"
+
+    def _finish_grouped(self) -> None:
         for name in self._segments_of:
             self._contribute(name)
         for owners in self._order:

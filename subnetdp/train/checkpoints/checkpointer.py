@@ -136,7 +136,7 @@ class Checkpointer:
         the loader's and RNGs' ``position`` instead when given (a survivor's, of the last finished step).
         Collective when sharded: the optimizer's state is gathered over each shard group (outside gathered())."""
         out = {name: component.state_dict() for name, component in checkpoint_states(self.state, self.loader).items()
-               if not (position and name in ("loader", "rng"))}
+               if not (position and name in ("loader", "rng")) and name != "model"}  # its views: inside gathered()
         if position:
             out["loader"], out["rng"] = position
         return out
@@ -164,10 +164,10 @@ class Checkpointer:
         # collective when sharded: the optimizer state of each parameter is gathered over its shard group.
         states = self._state_dicts()
         with state.parallel.gathered(state.model):  # collective when sharded: each rank writes from its replica's full tensors
-            index = LocalIndex(state.model, state.pmap)
+            index, model = LocalIndex(state.model, state.pmap), state.stateful()["model"].state_dict()
             pieces = units.pieces_to_write(self.rank, partition, plan, index, states["sync"]["pieces"],
-                                           states["optimizer"]["params"], per_owner=sync.owners_diverge)
-            buffers = units.buffers_to_write(self.rank, partition, plan, index)
+                                           states["optimizer"]["params"], sync.owners_diverge, model["params"])
+            buffers = units.buffers_to_write(self.rank, partition, plan, index, model["buffers"])
             files = self._write_rank_files(tmp, step, pieces, buffers, states)
         del states, pieces
         # collective: every rank's files are on disk (fsynced) before the manifest names them.
@@ -306,14 +306,14 @@ class Checkpointer:
         plan, partition, sync, model = state.plan, state.partition, state.synchronizer, state.model
         tmp = survivors.fragment_tmp(ctx.run_dir, step, self.rank)
         states = self._state_dicts(position)
-        index = LocalIndex(model, state.pmap)
+        index, values = LocalIndex(model, state.pmap), state.stateful()["model"].state_dict()
         # Not the pieces it writes in a regular checkpoint: their writer may be the dead rank.
         held = {units.item_key(it) for it in global_items(partition, plan) if self.rank in it.owners
                 and (sync.owners_diverge or not lost or self.rank == min(set(it.owners) - lost))}
         pieces = units.pieces_to_write(self.rank, partition, plan, index, states["sync"]["pieces"],
-                                       states["optimizer"]["params"], per_owner=True)
+                                       states["optimizer"]["params"], True, values["params"])
         pieces = {k: v for k, v in pieces.items() if k.split("/", 1)[-1] in held}
-        buffers = units.buffers_to_write(self.rank, partition, plan, index)
+        buffers = units.buffers_to_write(self.rank, partition, plan, index, values["buffers"])
         files = self._write_rank_files(tmp, step, pieces, buffers, states)
         files["plan.json"] = ck.write_text_atomic(tmp / "plan.json", plan.to_json(partition))
         files["config.yaml"] = ck.write_text_atomic(tmp / "config.yaml", config_mod.to_yaml(self.cfg))

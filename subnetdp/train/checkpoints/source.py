@@ -45,8 +45,8 @@ def sync_rank_state(saved: dict[str, Any]) -> dict[str, Any]:
 
 def checkpoint_states(state: "TrainState", loader: ResumableLoader) -> dict[str, Stateful]:
     """What a checkpoint holds, one Stateful per component (:mod:`subnetdp.train.stateful`): the
-    training state's (optimizer, schedule, synchroniser; rebuilt by a re-plan, so asked at the time),
-    the loader's position and the host RNGs."""
+    training state's (model, optimizer, schedule, synchroniser; rebuilt by a re-plan, so asked at the
+    time), the loader's position and the host RNGs. The model's views are taken inside ``gathered()``."""
     return {**state.stateful(), "loader": loader, "rng": HostRng()}
 
 
@@ -100,9 +100,14 @@ class CheckpointPieces:
         # collective when sharded: full tensors in, cut back into this rank's shards on exit.
         with torch.no_grad(), state.parallel.gathered(state.model, writeback=True):
             index = LocalIndex(state.model, state.pmap)
-            optim_state, outer = units.load_pieces(reader, rank, state.partition, state.plan, index, own=own)
-            units.load_buffers(reader, rank, state.partition, state.plan, index, old_plan, own=own,
-                               present=present)
+            optim_state, outer = units.load_pieces(reader, rank, state.partition, state.plan, index, own=own,
+                                                   fill=False)
+            # The model takes its pieces through its Stateful, each read from disk when it asks.
+            expect = states["model"].state_dict()["params"]
+            states["model"].load_state_dict({
+                "params": units.PieceValues(reader, expect, rank if own else None),
+                "buffers": units.buffer_values(reader, rank, state.partition, state.plan, index, old_plan, own=own,
+                                               present=present)})
             # The step gives local steps' phase (sync.warmup_steps). A checkpoint written with per-step
             # synchronisation has no outer state (local steps start a cycle here), one written with
             # sync.outer_momentum=0 no outer momentum (it starts at zero).
@@ -123,7 +128,7 @@ class CheckpointPieces:
             found = {"optimizer": {**optim, "params": optim_state} if isinstance(optim, dict) else {"class": None},
                      "scheduler": saved["scheduler"], "loader": position, "rng": rng}
             for name, component in states.items():
-                if name in found:  # the synchroniser took its own above, with the pieces
+                if name in found:  # the model and the synchroniser took their own above, with the pieces
                     component.load_state_dict(found[name])
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None

@@ -38,26 +38,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from subnetdp.core.contracts import Partition
 from subnetdp.core.errors import CheckpointError
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.pieces import Item, LocalIndex, global_items
+from subnetdp.sdp.pieces import Item, LocalIndex, global_items, item_key, piece_key  # noqa: F401 (their old home)
 from subnetdp.train.checkpoints import files as ck
 
 OPTIM = "optim."  # optimizer state of the piece's shape, cut like the parameter
 SCALAR = "optim_scalar."  # per-tensor optimizer state (AdamW's step): stored whole with every piece
-
-
-def piece_key(name: str, dim: int | None, start: int, stop: int) -> str:
-    return name if dim is None else f"{name}@{dim}:{start}:{stop}"
-
-
-def item_key(it: Any) -> str:
-    return piece_key(it.name, it.dim, it.start, it.stop)
 
 
 def partition_digest(partition: Partition) -> str:
@@ -108,9 +100,11 @@ def _cut(t: torch.Tensor, found: tuple[str, int | None, int, int]) -> torch.Tens
 
 def pieces_to_write(rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
                     extra: dict[str, dict[str, torch.Tensor]],
-                    optim_state: dict[str, dict[str, Any]], per_owner: bool = False) -> dict[str, torch.Tensor]:
-    """The views this rank writes: its pieces' values, outer state (``extra``: prefix -> local name ->
-    tensor of the parameter's local shape) and optimizer state (local name -> state dict).
+                    optim_state: dict[str, dict[str, Any]], per_owner: bool = False,
+                    values: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The views this rank writes: its pieces' values (from ``values``, the model's Stateful
+    ``state_dict()["params"]`` keyed by piece; None: cut from ``index``), outer state (``extra``: prefix
+    -> local name -> tensor of the parameter's local shape) and optimizer state (local name -> state dict).
 
     ``per_owner``: every owner writes its own copy of every piece it holds (owners' copies differ:
     ``sync.mode=local_steps`` trains them apart between synchronisations and never averages the
@@ -127,7 +121,7 @@ def pieces_to_write(rank: int, partition: Partition, plan: MaskPlan, index: Loca
             raise CheckpointError(f"rank {rank} writes {key} but does not hold it (model and plan disagree)")
         local = found[0]
         param = index.tensors[local]
-        out[key] = _cut(param.detach(), found)
+        out[key] = (_cut(param, found) if values is None else values[key]).detach()
         for prefix, tensors in extra.items():
             if local in tensors:
                 out[prefix + key] = _cut(tensors[local].detach(), found)
@@ -141,14 +135,38 @@ def pieces_to_write(rank: int, partition: Partition, plan: MaskPlan, index: Loca
     return out
 
 
-def buffers_to_write(rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex) -> dict[str, torch.Tensor]:
-    """This rank's own copies of the buffer pieces it owns (its ``rank_{r}.safetensors``)."""
+def buffers_to_write(rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
+                     values: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's own copies of the buffer pieces it owns (its ``rank_{r}.safetensors``): from
+    ``values`` (the model's Stateful ``state_dict()["buffers"]``) when given."""
+    if values is not None:
+        return {key: t.detach() for key, t in values.items()}
     out = {}
     for it in global_items(partition, plan, buffers=True):
         found = index.find(it) if rank in it.owners else None
         if found is not None:
             out[item_key(it)] = _cut(index.tensors[found[0]].detach(), found)
     return out
+
+
+class PieceValues(Mapping[str, torch.Tensor]):
+    """The values of the parameter pieces a rank holds, read from a checkpoint one at a time when the
+    model's Stateful asks (no second copy of the model in memory). ``expect``: key -> the view it
+    fills (its shape and dtype are checked, naming the file); ``rank``: read its own copies where every
+    owner wrote one (the same plan and world size), None for the writer's."""
+
+    def __init__(self, reader: "PieceReader", expect: Mapping[str, torch.Tensor], rank: int | None) -> None:
+        self.reader, self.expect, self.rank = reader, expect, rank
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        dst = self.expect[key]
+        return self.reader.get(key, shape=tuple(dst.shape), rank=self.rank, dtype=dst.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.expect)
+
+    def __len__(self) -> int:
+        return len(self.expect)
 
 
 class PieceReader:
@@ -220,8 +238,9 @@ class PieceReader:
 
 @torch.no_grad()
 def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
-                own: bool = False) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-    """Copy this rank's pieces' values into its tensors; returns the optimizer state and the
+                own: bool = False, fill: bool = True) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+    """Copy this rank's pieces' values into its tensors (``fill=False``: not; the model's Stateful takes
+    them, :class:`PieceValues`); returns the optimizer state and the
     synchroniser's per-piece state (prefix -> local name -> tensor), each assembled per local
     parameter (full local shape), for the optimizer and the synchroniser to take.
 
@@ -240,7 +259,8 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
         local = found[0]
         param = index.tensors[local]
         dst = _cut(param, found)
-        dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only, dtype=dst.dtype))
+        if fill:
+            dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only, dtype=dst.dtype))
         kinds = reader.kinds(key, mine_only)
         for prefix in kinds["extra"]:  # a tensor of its parameter's local shape, as the synchroniser keeps it
             held_extra = extra.setdefault(prefix, {})
@@ -265,19 +285,33 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
 @torch.no_grad()
 def load_buffers(reader: PieceReader, rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
                  old_plan: MaskPlan, own: bool, present: Sequence[int] | None = None) -> None:
-    """Fill this rank's buffer pieces: its own copies (``own``: same plan and world size), otherwise
+    """Fill this rank's buffer pieces (:func:`buffer_values`) in place."""
+    values = buffer_values(reader, rank, partition, plan, index, old_plan, own, present)
+    for it in global_items(partition, plan, buffers=True):
+        found = index.find(it) if rank in it.owners else None
+        if found is not None:
+            _cut(index.tensors[found[0]], found).copy_(values[item_key(it)])
+
+
+@torch.no_grad()
+def buffer_values(reader: PieceReader, rank: int, partition: Partition, plan: MaskPlan, index: LocalIndex,
+                  old_plan: MaskPlan, own: bool, present: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's buffer pieces, by key: its own copies (``own``: same plan and world size), otherwise
     the mean of the old owners' copies for float buffers and the lowest old owner's for the others;
     ``present``: the old ranks that wrote their buffers (the survivors of a lost worker), None for all."""
     keep = set(range(old_plan.world_size) if present is None else present)
     old_world = tuple(sorted(keep))
+    out = {}
     for it in global_items(partition, plan, buffers=True):
         found = index.find(it) if rank in it.owners else None
         if found is None:
             continue
-        dst = _cut(index.tensors[found[0]], found)
+        dst = torch.empty_like(_cut(index.tensors[found[0]], found))
         sources = (rank,) if own else (tuple(r for r in old_plan.owners(it.unit) if r in keep)
                                        if it.unit is not None else old_world)
         read_buffer_mean(reader, item_key(it), sources, dst)
+        out[item_key(it)] = dst
+    return out
 
 
 @torch.no_grad()
