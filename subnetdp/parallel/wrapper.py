@@ -284,7 +284,7 @@ def _adapter_subnetwork(model: nn.Module, adapter: ModelAdapter, spec: DataSpec 
         raise ConfigError("spec", None, "an adapter's partition needs the data's DataSpec", "pass spec=data.spec()")
     skeleton = copy.deepcopy(model)
     partition = partition_model(adapter, model, mcfg, spec)
-    plan = make_plan(masker, partition, dist.get_world_size(), seed, int(mcfg.min_owners))
+    plan = make_plan(masker, partition, dist.get_world_size(), seed, mcfg.min_owners)
     local, pmap = local_model(adapter, model, plan.owned[dist.get_rank()], partition, mcfg)
     initialise(local, pmap, Initialiser(skeleton, adapter, seed), device)
     return local, pmap, plan, partition

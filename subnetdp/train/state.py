@@ -116,11 +116,11 @@ class TrainState(TrainStateView):
         self._progress = StepProgress()
         self._settings = SyncSettings.from_config(cfg)
         self._parallel = RankParallelism(cfg, ctx.comm)
-        self._guard = NonFiniteGuard(ctx.comm, str(cfg.train.on_nonfinite), self._last_good)
+        self._guard = NonFiniteGuard(ctx.comm, cfg.train.on_nonfinite, self._last_good)
         # Block -> the highest training keep rate its values have run at (see _keep_rates_rise).
         self._rates_run = forward_keep_rates(cfg.masker, partition, plan)
-        every = int(cfg.masker.resample_every)
-        self._resampler = Resampler(partition, plan, int(cfg.seed), every, str(cfg.masker.group_by)) if every > 0 else None
+        every = cfg.masker.resample_every
+        self._resampler = Resampler(partition, plan, cfg.seed, every, cfg.masker.group_by) if every > 0 else None
         self._install(model, pmap, plan)
 
     @classmethod
@@ -130,7 +130,7 @@ class TrainState(TrainStateView):
         each initialised from the seed and its global name. Collective (see :meth:`_install`).
         ``last_good`` gives the run's last good checkpoint (the checkpointer's, which the state does not know)."""
         cfg = ctx.cfg
-        model, pmap = build_local(ctx.adapter, full, plan.owned[ctx.rank], partition, cfg.masker, int(cfg.seed),
+        model, pmap = build_local(ctx.adapter, full, plan.owned[ctx.rank], partition, cfg.masker, cfg.seed,
                                   ctx.comm.device)
         return cls(ctx, partition, plan, model, pmap, last_good)
 
@@ -163,7 +163,7 @@ class TrainState(TrainStateView):
 
             # With local steps owners disagree between synchronisations: refresh only right after one.
             self._refresher = Refresher(model, pmap, plan, self._partition, ctx.comm,
-                                        int(cfg.masker.refresh_every) * self._settings.cycle, self._settings.bucket_cap_mb)
+                                        cfg.masker.refresh_every * self._settings.cycle, self._settings.bucket_cap_mb)
 
     def _sync_fault(self, ctx: RunContext) -> Callable[[], None] | None:
         """Test-only: the wrapper's kill point inside the averaging (``SUBNETDP_TEST_KILL_IN_SYNC``), at the
@@ -240,7 +240,7 @@ class TrainState(TrainStateView):
         cfg = self._ctx.cfg
         return StepContext(model=self._model, adapter=self._ctx.adapter, sync=self._sync, optimizer=self._optimizer,
                            guard=self._guard, scheduler=self._scheduler, refresher=self._refresher,
-                           accum=int(cfg.train.grad_accum), clip=float(cfg.optim.clip_grad_norm),
+                           accum=cfg.train.grad_accum, clip=cfg.optim.clip_grad_norm,
                            autocast=self._parallel.autocast, device=self._ctx.comm.device,
                            last_step=self._ctx.steps, fault=step_faults(self._ctx.rank, self._ctx.run_dir),
                            averaged_in_backward=self._wrapper is not None)
@@ -344,7 +344,7 @@ class TrainState(TrainStateView):
             return
         what = (f"the new plan runs {len(rising)} residual branch(es) in more of the training forwards than "
                 f"they were trained at: {describe(rising)}")
-        if str(ctx.cfg.eval.block_union) == "x1":
+        if ctx.cfg.eval.block_union == "x1":
             line = f"{what}; not rescaled (eval.block_union=x1)"
         else:
             # Asked of the full model: this rank's subnetwork holds only the blocks it owns.

@@ -46,7 +46,7 @@ class SyncSettings:
         return cls(mode=str(s.mode), bucket_cap_mb=float(s.bucket_cap_mb), max_groups=int(s.max_groups),
                    every=int(s.every), outer_lr=float(s.outer_lr), outer_momentum=float(s.outer_momentum),
                    outer_on_host=bool(s.outer_on_host), warmup_steps=int(s.warmup_steps),
-                   on_nonfinite=str(cfg.train.on_nonfinite))
+                   on_nonfinite=cfg.train.on_nonfinite)
 
     @property
     def cycle(self) -> int:

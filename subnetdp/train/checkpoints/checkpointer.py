@@ -58,14 +58,14 @@ def check_config(cfg: Any) -> None:
     """``resume`` and ``checkpoint.*`` across keys: ``resume`` is never, auto (with a fixed
     ``run.name``) or a checkpoint or run directory; a re-drawn plan is not resumable; and neither a
     final checkpoint nor a resume is asked of a run that writes no checkpoints."""
-    resume = str(cfg.resume)
+    resume = cfg.resume
     if resume not in ("never", "auto"):
         p = Path(resume)
         if not resume.strip() or not ((p / ck.MANIFEST).is_file() or (p / "checkpoints").is_dir()):
             raise ConfigError("resume", resume, "is neither never, auto, a checkpoint (a folder holding MANIFEST.json) "
                               "nor a run directory (holding checkpoints/)",
                               "use resume=auto, or the path of a checkpoints/step_XXXXXXXX directory")
-    if resume != "never" and int(cfg.masker.resample_every) > 0:
+    if resume != "never" and cfg.masker.resample_every > 0:
         raise ConfigError("resume", resume, f"runs whose plan is re-drawn (masker.resample_every="
                           f"{cfg.masker.resample_every}) cannot be resumed in this release",
                           "use resume=never, or masker.resample_every=0")
@@ -77,7 +77,7 @@ def check_config(cfg: Any) -> None:
     if resume == "auto":  # it would find no checkpoint of its own, and so start over on every restart
         raise ConfigError("resume", "auto", "finds the run's newest checkpoint, but checkpoint.enabled=false writes "
                           "none, so every restart would start over", "set checkpoint.enabled=true, or resume=never")
-    if str(cfg.checkpoint.final) == "always":
+    if cfg.checkpoint.final == "always":
         raise ConfigError("checkpoint.final", "always", "asks for a final checkpoint, but checkpoint.enabled=false "
                           "writes none", "set checkpoint.enabled=true, or checkpoint.final=auto")
 
@@ -94,11 +94,11 @@ def final_wanted(cfg: Any, steps: int | None = None) -> bool:
     state, so 25 short trials do not fill a disk. ``always`` / ``never`` decide it outright.
     ``steps``: the steps the run trains (the context's, FLOP-matched or not); ``train.steps`` if None.
     """
-    final = str(cfg.checkpoint.final)
+    final = cfg.checkpoint.final
     if final != "auto":
         return final == "always"
-    return (int(cfg.checkpoint.every) > 0 or str(cfg.resume) != "never"
-            or (int(cfg.train.steps) if steps is None else steps) >= AUTO_FINAL_MIN_STEPS)
+    return (cfg.checkpoint.every > 0 or cfg.resume != "never"
+            or (cfg.train.steps if steps is None else steps) >= AUTO_FINAL_MIN_STEPS)
 
 
 class Checkpointer:
@@ -144,7 +144,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ saving
     def after_step(self, step: int) -> None:
         """Save when ``checkpoint.every`` divides ``step`` and after the last step. Collective then."""
-        every, last = int(self.cfg.checkpoint.every), self.ctx.steps
+        every, last = self.cfg.checkpoint.every, self.ctx.steps
         if self.cfg.checkpoint.enabled and ((step == last and final_wanted(self.cfg, last)) or (every and step % every == 0)):
             self.save(step)
         faults.fault_point(faults.KILL_AT_STEP, step, self.rank, self.ctx.run_dir)
@@ -180,7 +180,7 @@ class Checkpointer:
             manifest = {**self._header(step), "files": dict(sorted(files.items())),
                         "pieces": units.piece_index(partition, plan, sync.owners_diverge)}
             ck.finish_directory(tmp, final, manifest)
-            ck.prune(ctx.run_dir, int(self.cfg.checkpoint.keep), final)
+            ck.prune(ctx.run_dir, self.cfg.checkpoint.keep, final)
             survivors.prune_superseded(ctx.run_dir)  # a survivor's files older than this step are of no use
         comm.barrier()  # collective: no rank runs ahead of a checkpoint that is not complete yet
         self.last_saved = final
@@ -192,10 +192,10 @@ class Checkpointer:
         plan, partition, spec = state.plan, state.partition, ctx.spec
         return {"format": ck.FORMAT, "run_id": self.run_id, "lineage": self.lineage, "step": step,
                 "world_size": self.world_size,
-                "plan_digest": plan.digest(), "fsdp_shard_size": int(cfg.fsdp.shard_size),
+                "plan_digest": plan.digest(), "fsdp_shard_size": cfg.fsdp.shard_size,
                 "partition_digest": units.partition_digest(partition),
                 "partition": {"granularity": partition.granularity, "units": len(partition.units),
-                              "units_per_layer": int(cfg.masker.units_per_layer)},
+                              "units_per_layer": cfg.masker.units_per_layer},
                 "config_digest": config_mod.digest(cfg),
                 "model": OmegaConf.to_container(cfg.model, resolve=True),
                 "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
@@ -215,7 +215,7 @@ class Checkpointer:
         out[st_name] = ck.write_atomic(tmp / st_name, lambda p: ck.save_safetensors(
             p, buffers, {**meta, "rank": str(self.rank)}))
         saved = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
-                 "world_size": self.world_size, "batch_size": int(self.cfg.train.batch_size),
+                 "world_size": self.world_size, "batch_size": self.cfg.train.batch_size,
                  **rank_file_entries(states)}
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
@@ -229,7 +229,7 @@ class Checkpointer:
             return "checkpoint.enabled=false"
         if not cfg.checkpoint.survivors:
             return "checkpoint.survivors=false"
-        if int(cfg.masker.resample_every) > 0:
+        if cfg.masker.resample_every > 0:
             return f"masker.resample_every={cfg.masker.resample_every} (re-drawn plans are not resumable)"
         if self.state.parallel.sharded:
             return "fsdp.shard_size > 1 (a shard's optimizer state is gathered by a collective)"
@@ -399,7 +399,7 @@ class Checkpointer:
     def _choose(self) -> dict[str, Any]:
         """Rank 0: the checkpoint to load (None: start), its run id and lineage, whether it was
         assembled; records the lineage in the run directory and sets aside survivors' files of others."""
-        run_dir, resume = self.ctx.run_dir, str(self.cfg.resume)
+        run_dir, resume = self.ctx.run_dir, self.cfg.resume
         ck.checkpoints_dir(run_dir)  # a link there is refused before any step is trained
         survivors.survivors_dir(run_dir)  # so is one there
         survivors.clean_leftovers(run_dir)
@@ -486,11 +486,11 @@ def check_resume_source(cfg: Any) -> None:
     the world has assembled. Rank 0 still chooses the checkpoint inside the job
     (:meth:`Checkpointer.start`); this only reads what it would find.
     """
-    resume = str(cfg.resume)
+    resume = cfg.resume
     if resume == "never":
         return
     if resume == "auto":
-        run_dir = Path(str(cfg.run.dir)) / str(cfg.run.name)
+        run_dir = Path(cfg.run.dir) / cfg.run.name
         if cfg.run.name:
             survivors.survivors_dir(run_dir)  # a link there is refused before any process group exists
             lineage.read(run_dir)  # so is a damaged lineage record

@@ -115,15 +115,15 @@ class CheckpointPieces:
                                             "rank": sync_rank_state(saved)})
         where = path / state_name
         try:
-            batch = int(ctx.cfg.train.batch_size)
+            batch = ctx.cfg.train.batch_size
             if old_world == world and int(saved.get("batch_size", batch)) == batch:
                 position = saved["loader"]  # every rank of one world is at the same position
                 # A dead rank's own streams died with it.
-                rng = {"seed": int(ctx.cfg.seed) + int(manifest["step"]) + rank} if rank in absent else saved["rng"]
+                rng = {"seed": ctx.cfg.seed + int(manifest["step"]) + rank} if rank in absent else saved["rng"]
             else:
                 position = units.carry_position(saved["loader"], (old_world, int(saved.get("batch_size", batch))),
                                                 (world, batch), self.loader.batches_per_epoch)
-                rng = {"seed": int(ctx.cfg.seed) + int(manifest["step"])}
+                rng = {"seed": ctx.cfg.seed + int(manifest["step"])}
             optim = saved.get("optimizer")
             found = {"optimizer": {**optim, "params": optim_state} if isinstance(optim, dict) else {"class": None},
                      "scheduler": saved["scheduler"], "loader": position, "rng": rng}
