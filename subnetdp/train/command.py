@@ -93,6 +93,10 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
                           f"restarts nobody and re-forms gloo groups, but launch.max_restarts="
                           f"{int(cfg.launch.max_restarts)} and comm.name={cfg.comm.name}",
                           "set launch.max_restarts=0 and comm.name=gloo, or launch.on_failure=restart")
+    if int(cfg.launch.replace) and not continuing:
+        raise ConfigError("launch.replace", int(cfg.launch.replace),
+                          "replaces dead workers of a job whose survivors go on in-process, but launch.on_failure="
+                          f"{cfg.launch.on_failure}", "set launch.on_failure=continue, or launch.replace=0")
     given = bool(cfg.run.name)
     name = _name_run(cfg, nproc)
     argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
@@ -105,7 +109,8 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
 
             print(f"starting {nproc} local workers (subnetdp supervisor: a dead worker is not restarted, "
                   "the others go on)", flush=True)
-            return launch_supervised(nproc, argv, timeout_s=float(cfg.comm.timeout_s))
+            return launch_supervised(nproc, argv, timeout_s=float(cfg.comm.timeout_s),
+                                     replacements=int(cfg.launch.replace))
         restarts = int(cfg.launch.max_restarts)
         again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)

@@ -24,8 +24,10 @@ from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.owner_check import OwnerCheck
+from subnetdp.train.rejoin import JoinFailed, grow, join, join_due
 from subnetdp.train.report import reporting, summarise
 from subnetdp.train.setup import set_threads, setup
+from subnetdp.core.plan import MaskPlan
 from subnetdp.train.state import PeerPieces, TrainState
 from subnetdp.train.stopping import (REQUEUE_SIGNAL, Interrupted, StopRequest, continue_command, hold_for_test, requeue_job,
                                      stop_message)
@@ -66,11 +68,12 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
 
 
 class _WentOn(Exception):
-    """The survivors of a lost peer re-formed the world in-process: train on from ``continued``."""
+    """The world was re-formed in-process (survivors of a lost peer, or a replacement taken in): train on
+    from ``continued``. ``full``: the W-rank plan the job had before any death (a join returns to it)."""
 
-    def __init__(self, continued: Continued, ckpt: Checkpointer, losses: list[float]) -> None:
+    def __init__(self, continued: Continued, ckpt: Checkpointer | None, losses: list[float], full: MaskPlan) -> None:
         super().__init__(f"going on from step {continued.step}")
-        self.continued, self.ckpt, self.losses = continued, ckpt, losses
+        self.continued, self.ckpt, self.losses, self.full = continued, ckpt, losses, full
 
 
 def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None = None) -> RunResult:
@@ -80,6 +83,10 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     in-process (:mod:`subnetdp.train.continuation`): the loop starts again after the step they all
     finished, in the re-formed world."""
     went_on: _WentOn | None = None
+    if getattr(ctx.comm, "joined", None) is not None:  # a replacement: healed by the members before its first step
+        continued = join(ctx, state)  # collective: with every member's grow
+        went_on = _WentOn(continued, None, [], state.plan)
+        ctx = continued.context
     while True:
         try:
             return _train(ctx, state, stopper, went_on)
@@ -98,12 +105,16 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
         first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
         say_going_on(ctx, first - 1)  # after a restart: every node's console says the job goes on
     else:  # the rules of a resume from the survivors' files on exactly the survivors (continuation.py)
-        ckpt.adopt(went_on.ckpt)
+        if went_on.ckpt is not None:
+            ckpt.adopt(went_on.ckpt)
+        elif went_on.continued.run is not None:  # a replacement goes on with the run's checkpoint lineage
+            ckpt.run_id, ckpt.lineage = went_on.continued.run["run_id"], went_on.continued.run["lineage"]
         loader.load_state_dict(position_in(went_on.continued, loader, int(cfg.train.batch_size)))
         reseed(int(cfg.seed) + went_on.continued.step)
         first = went_on.continued.step + 1
     if first > 1:
         ckpt.mark_finished(first - 1)
+    full = went_on.full if went_on is not None else state.plan  # the W-rank plan a join returns to
     batches = (_to_device(b, comm.device) for b in loader)
     meter = Meter(comm, state.parallel, first, steps, int(cfg.train.memory_step))
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
@@ -156,6 +167,11 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                         who = stopper.agreed(comm)  # collective: every rank, after this step
                     if who:
                         _stop(ctx, ckpt, step, who)
+                # A replacement waits to join (one store check a step): every member takes it in at the
+                # same boundary. collective when due: every member and the newcomer.
+                joining = join_due(ctx, state, step, full)
+                if joining is not None:
+                    raise _WentOn(grow(ctx, state, ckpt, joining, full), ckpt, list(reporter.losses), full)
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
                 evaluation = evaluate_run(ctx, state, steps)  # collective
                 hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,
@@ -166,11 +182,13 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                                eval_union=evaluation.union if evaluation else {}, alignment=list(probe.records),
                                step=state.step)
             hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
+            getattr(comm, "close_joins", lambda: None)()  # a replacement still waiting leaves
         except PeerLost as lost:
             # collective among the survivors: under the supervisor they re-form the world and go on.
-            continued = go_on(ctx, state, ckpt, lost)
+            # A failed join (JoinFailed) left the state at the join step: the restart path, no second re-formation.
+            continued = None if isinstance(lost, JoinFailed) else go_on(ctx, state, ckpt, lost)
             if continued is not None:
-                raise _WentOn(continued, ckpt, list(reporter.losses)) from None
+                raise _WentOn(continued, ckpt, list(reporter.losses), full) from None
             if stopper is not None:
                 stopper.leaving()  # the agent's SIGTERM that follows a death asks for nothing more
             # A peer died or stopped answering: keep this rank's units as of its last finished step

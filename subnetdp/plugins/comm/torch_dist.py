@@ -20,11 +20,14 @@ import torch.distributed as dist
 
 from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
-from subnetdp.plugins.comm.regroup import DEAD_KEY, Membership, agree, form_group, form_world, release, wait_or_regroup
+from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, Membership, agree, announce, await_join, form_group,
+                                           form_world, join_decision, joined_membership, release, wait_or_regroup)
 
 #: Set by the supervisor (``launchers/supervisor.py``) in every worker it starts: the launcher's
 #: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
 SUPERVISED_ENV = "SUBNETDP_SUPERVISED"
+#: Set by the supervisor in a replacement it starts after a death: its worker id (``launchers/supervisor.py``).
+JOIN_ENV = "SUBNETDP_JOIN_ID"
 
 
 class WorkHandle(Handle):
@@ -180,6 +183,7 @@ class TorchDistCommunicator(Communicator):
         self._job_store: Any = None  # the launcher's store, unprefixed: where the supervisor marks the dead
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
+        self._joined: dict | None = None  # a replacement: the decision it joined under
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
@@ -189,6 +193,9 @@ class TorchDistCommunicator(Communicator):
         elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
+        elif os.environ.get(JOIN_ENV) and os.environ.get(SUPERVISED_ENV) == "1":
+            self._join(timeout)
+            return
         elif elastic and init_method == "env://":
             # torchrun keeps one agent store across restarts of the group, and the keys the process
             # group writes carry no attempt number: a restarted rank could read a dead peer's
@@ -231,6 +238,68 @@ class TorchDistCommunicator(Communicator):
         # get comm.timeout_s too (torch's default would be 30 minutes for a stalled peer).
         self._groups[key] = dist.new_group(list(key), backend=self.backend,
                                            timeout=datetime.timedelta(seconds=float(self.cfg.timeout_s)))
+
+    def _join(self, timeout: float) -> None:
+        """A replacement: announce itself in the job's store, wait for the members' decision, and form
+        the world of W with them (no world of its own is ever made). # collective: with every member."""
+        self._job_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size,
+                                                     timeout=datetime.timedelta(seconds=timeout)))
+        me = int(os.environ[JOIN_ENV])
+        announce(self._job_store, me, self.rank)
+        decided = await_join(self._job_store, me)
+        if decided is None:
+            raise SubnetdpError(f"rank {self.rank} (a replacement) did not join: the job ended before the members "
+                                "reached a step boundary it could join at")
+        self._joined = decided
+        self._become(joined_membership(decided, me), timeout)
+
+    def _become(self, m: Membership, timeout: float) -> None:
+        """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective)."""
+        world = form_world(self._job_store, m, timeout)  # collective: every member of m reaches this
+        self._membership, self._origin = m, m.members
+        self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
+        self._groups = {self.world: world}
+
+    @property
+    def joined(self) -> dict | None:
+        """A replacement: the members' decision it joined under (the step, the plan as it stood), else None."""
+        return self._joined
+
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """The worker id of each rank of now (the job's first ranks, then replacements' ids)."""
+        return self._origin or tuple(range(self.world_size))
+
+    def join_waiting(self) -> bool:
+        """Whether a replacement has announced itself and waits to join."""
+        return self._job_store is not None and self._job_store.check([f"{JOIN_KEY}/next"])
+
+    def join_due(self, step: int, last_step: int, can_grow: bool, extra: dict | None = None) -> dict | None:
+        """At the boundary after ``step``: the join every member makes now, or None (one store ``check``
+        a step while no replacement waits; :func:`regroup.join_decision`)."""
+        if self._job_store is None or self._membership is None:
+            return None
+        decided = join_decision(self._job_store, step, last_step, self._membership.generation + 1,
+                                self._origin, can_grow, extra)
+        return decided if decided is not None and int(decided["step"]) == step else None
+
+    def grow(self, decided: dict) -> Membership:
+        """Take the newcomer of ``decided`` into the world: the old groups are released and the world of
+        W formed under the join's own prefix; owner groups are made again by :meth:`new_group`.
+        # collective: every member and the newcomer reach this."""
+        for pg in {id(g): g for g in self._groups.values()}.values():
+            release(pg)
+        old = self._origin[self.rank]
+        m = joined_membership(decided, old)
+        self._become(m, float(self.cfg.timeout_s))
+        if m.rank == 0:  # every member is past the decision (the world formed): the next check is one round trip
+            self._job_store.delete_key(f"{JOIN_KEY}/next")
+        return m
+
+    def close_joins(self) -> None:
+        """The run ended: a replacement still waiting to join leaves (:func:`regroup.await_join`)."""
+        if self._job_store is not None and self.rank == 0:
+            self._job_store.set(f"{JOIN_KEY}/closed", "1")
 
     @property
     def can_regroup(self) -> bool:
