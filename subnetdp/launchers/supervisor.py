@@ -52,6 +52,7 @@ def supervise(store: Any, workers: dict[int, Any], timeout_s: float, poll_s: flo
     """
     marked: set[int] = set()
     spares: set[int] = set()
+    closed = False
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         codes = {r: _exitcode(p) for r, p in workers.items()}
@@ -68,8 +69,9 @@ def supervise(store: Any, workers: dict[int, Any], timeout_s: float, poll_s: flo
                 # so it cannot write into their run or hold the job open.
                 workers[r].kill()
                 marked.add(r)
-        if spares and all(c is not None for r, c in codes.items() if r not in spares):
+        if spares and not closed and all(c is not None for r, c in codes.items() if r not in spares):
             store.set(f"{JOIN_KEY}/closed", "the job ended")  # a replacement still waiting leaves
+            closed = True
         if all(c is not None for c in codes.values()) and len(codes) == len(workers):
             # A replacement that never joined left because the job ended (one line): no failure of the job.
             return {r: 0 if r in spares and not store.check([f"{JOIN_KEY}/{r}/decided"]) else c for r, c in codes.items()}

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from subnetdp.core.contracts import LaunchEnv, RunContext, RunResult
 from subnetdp.core.errors import PeerLost
+from subnetdp.core.plan import MaskPlan
 from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
 from subnetdp.train.checkpoints.checkpointer import Checkpointer
@@ -27,7 +28,6 @@ from subnetdp.train.owner_check import OwnerCheck
 from subnetdp.train.rejoin import JoinFailed, grow, join, join_due
 from subnetdp.train.report import reporting, summarise
 from subnetdp.train.setup import set_threads, setup
-from subnetdp.core.plan import MaskPlan
 from subnetdp.train.state import PeerPieces, TrainState
 from subnetdp.train.stopping import (REQUEUE_SIGNAL, Interrupted, StopRequest, continue_command, hold_for_test, requeue_job,
                                      stop_message)

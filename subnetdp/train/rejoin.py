@@ -41,6 +41,25 @@ if TYPE_CHECKING:
     from subnetdp.train.state import TrainState
 
 
+def warm_up(cfg: Any, rank: int, world_size: int, data: Any, adapter: Any, spec: Any, partition: Any,
+            plan: MaskPlan, device: Any) -> None:
+    """A replacement's one-time costs, paid before it announces itself rather than while the members
+    wait for its first step: reading the data set and a fresh process's first forward and backward
+    (2-6 s here, measured). Nothing of it is kept; the host RNGs are re-seeded at the join."""
+    import torch
+
+    from subnetdp.sdp.construct import empty_local
+
+    batch = next(iter(data.train_loader(rank, world_size, int(cfg.train.batch_size))))
+    model, _ = empty_local(adapter, spec, plan.owned[rank], partition, cfg.masker, device)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point():
+                t.zero_()
+    model.train()
+    adapter.training_loss(model, tuple(t.to(device) for t in batch)).backward()
+
+
 def with_newcomer(plan: MaskPlan, slot: int) -> MaskPlan:
     """``plan`` at W-1 as it stands, numbered at W: the newcomer at ``slot`` holds nothing yet."""
     return MaskPlan(plan.world_size + 1, [*plan.owned[:slot], [], *plan.owned[slot:]], plan.num_units)
@@ -49,14 +68,15 @@ def with_newcomer(plan: MaskPlan, slot: int) -> MaskPlan:
 def join_due(ctx: RunContext, state: "TrainState", step: int, full: MaskPlan) -> dict[str, Any] | None:
     """The join every member makes at the boundary after ``step``, or None (no replacement waits).
 
-    Only a world one short of the W-rank plan grows back; the proposal carries the plan as it stands, so
-    the newcomer iterates the same pieces as the members."""
+    Only a world one short of the W-rank plan grows back; the proposal carries the plan as it stands and
+    the W-rank plan, so the newcomer iterates the same pieces as the members and builds the plan they
+    return to (not its config's: a job resumed on another plan returns to that one)."""
     due = getattr(ctx.comm, "join_due", None)
     if due is None:
         return None
     can_grow = ctx.comm.world_size == full.world_size - 1
     faults.await_join(step, ctx.comm.join_waiting, float(ctx.cfg.comm.timeout_s))  # test-only
-    return due(step, int(ctx.cfg.train.steps), can_grow, {"plan": state.plan.owned})
+    return due(step, int(ctx.cfg.train.steps), can_grow, {"plan": state.plan.owned, "full": full.owned})
 
 
 class JoinFailed(PeerLost):

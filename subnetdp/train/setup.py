@@ -120,6 +120,10 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
 
     tasks = load_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     check_resume_source(cfg)  # a damaged manifest fails here, on every rank
+    if getattr(comm, "replacement", False):  # a replacement of a dead worker: ready before it announces itself
+        from subnetdp.train.rejoin import warm_up
+
+        warm_up(cfg, env.rank, env.world_size, data, adapter, spec, partition, plan, comm.device)
     comm.init()  # collective: the first point where every rank meets.
     # A replacement joins members in mid-run (train/rejoin.py): it shares none of set-up's collectives.
     joined = getattr(comm, "joined", None) is not None
@@ -136,6 +140,7 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
     # mesh (when sharded) and the synchroniser's owner groups are created on every rank.
     if joined:  # on meta-made storage: every value comes from the members over the network
+        plan = MaskPlan(plan.world_size, comm.joined["full"], plan.num_units)  # the plan the members return to
         model, pmap = empty_local(adapter, spec, plan.owned[env.rank], partition, cfg.masker, comm.device)
         return ctx, TrainState(ctx, partition, plan, model, pmap, last_good=lambda: latest_checkpoint(ctx.run_dir))
     return ctx, TrainState.build(ctx, partition, plan, full, last_good=lambda: latest_checkpoint(ctx.run_dir))

@@ -193,7 +193,7 @@ class TorchDistCommunicator(Communicator):
         elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
-        elif os.environ.get(JOIN_ENV) and os.environ.get(SUPERVISED_ENV) == "1":
+        elif self.replacement:
             self._join(timeout)
             return
         elif elastic and init_method == "env://":
@@ -259,6 +259,11 @@ class TorchDistCommunicator(Communicator):
         self._membership, self._origin = m, m.members
         self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
         self._groups = {self.world: world}
+
+    @property
+    def replacement(self) -> bool:
+        """Whether this process replaces a dead worker (started by the supervisor to join at a step boundary)."""
+        return bool(os.environ.get(JOIN_ENV)) and os.environ.get(SUPERVISED_ENV) == "1"
 
     @property
     def joined(self) -> dict | None:
