@@ -84,6 +84,10 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
     from subnetdp.launchers.local import launch_local
     from subnetdp.train.setup import preflight
 
+    if int(cfg.launch.replace) and str(cfg.launch.on_failure) != "continue":
+        raise ConfigError("launch.replace", int(cfg.launch.replace),
+                          "replaces dead workers of a job whose survivors go on in-process, but launch.on_failure="
+                          f"{cfg.launch.on_failure}", "set launch.on_failure=continue, or launch.replace=0")
     upfront.check_launcher(cfg, pm.registries, "local", nproc)
     # Fail on a bad plan or machine here, before any worker or process group exists.
     preflight(cfg, nproc, pm)
@@ -93,10 +97,6 @@ def _start_local_workers(cfg, recipe: str | None, overrides: list[str], nproc: i
                           f"restarts nobody and re-forms gloo groups, but launch.max_restarts="
                           f"{int(cfg.launch.max_restarts)} and comm.name={cfg.comm.name}",
                           "set launch.max_restarts=0 and comm.name=gloo, or launch.on_failure=restart")
-    if int(cfg.launch.replace) and not continuing:
-        raise ConfigError("launch.replace", int(cfg.launch.replace),
-                          "replaces dead workers of a job whose survivors go on in-process, but launch.on_failure="
-                          f"{cfg.launch.on_failure}", "set launch.on_failure=continue, or launch.replace=0")
     given = bool(cfg.run.name)
     name = _name_run(cfg, nproc)
     argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={name}"])
