@@ -12,6 +12,7 @@ import datetime
 import os
 import pickle
 import re
+import threading
 import time
 from typing import Any, Sequence
 
@@ -253,6 +254,18 @@ class TorchDistCommunicator(Communicator):
         self._joined = decided
         self._become(joined_membership(decided, me), timeout)
 
+    def _retire(self) -> None:
+        """Abort the groups of today's world and let them go off the critical path: a re-formed group is
+        torch's object alone, and one with work pending on a dead peer blocks in its destructor until
+        that work times out (comm.timeout_s: measured, a second re-formation waited 55 s for it). A
+        daemon thread holds the last references (the groups torch registered keep theirs anyway)."""
+        old = list({id(g): g for g in self._groups.values()}.values())
+        for pg in old:
+            release(pg)
+        del pg  # noqa: F821 (not a reference left in this frame: the destructor must not run here)
+        self._groups = {}
+        threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True).start()
+
     def _become(self, m: Membership, timeout: float) -> None:
         """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective)."""
         world = form_world(self._job_store, m, timeout)  # collective: every member of m reaches this
@@ -292,8 +305,7 @@ class TorchDistCommunicator(Communicator):
         """Take the newcomer of ``decided`` into the world: the old groups are released and the world of
         W formed under the join's own prefix; owner groups are made again by :meth:`new_group`.
         # collective: every member and the newcomer reach this."""
-        for pg in {id(g): g for g in self._groups.values()}.values():
-            release(pg)
+        self._retire()
         old = self._origin[self.rank]
         m = joined_membership(decided, old)
         self._become(m, float(self.cfg.timeout_s))
@@ -325,8 +337,7 @@ class TorchDistCommunicator(Communicator):
             raise SubnetdpError(f"comm.name={self.cfg.name}: going on in-process needs the supervisor's store "
                                 "(launchers/supervisor.py; no launch command starts workers under it yet: docs/inprocess.md)")
         origin = self._origin or tuple(range(self.world_size))
-        for pg in {id(g): g for g in self._groups.values()}.values():
-            release(pg)
+        self._retire()
         generation = (self._membership.generation if self._membership else 0) + 1
         timeout = float(self.cfg.timeout_s)
         m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
