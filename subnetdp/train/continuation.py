@@ -54,7 +54,18 @@ class Continued:
     members: tuple[int, ...]
     seconds: float
     gained: int  # pieces that moved to a new owner over the network
-    run: Optional[dict[str, Any]] = None  # a newcomer's: the checkpoints' run id and lineage it goes on with
+    run: Any = None  # a newcomer's: the run id and lineage it goes on with, as ``Checkpointer.adopt`` reads them
+
+
+class WentOn(Exception):
+    """The world was re-formed in-process (a death, or a join): the loop trains on from ``continued``.
+
+    ``ckpt``: the checkpointer to adopt (run id, lineage, losses no row holds); ``full``: the W-rank plan
+    the job had before any death (a join returns to it)."""
+
+    def __init__(self, continued: Continued, ckpt: Any, losses: list[float], full: MaskPlan) -> None:
+        super().__init__(f"going on from step {continued.step}")
+        self.continued, self.ckpt, self.losses, self.full = continued, ckpt, losses, full
 
 
 def why_not(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> Optional[str]:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Optional
 
 from subnetdp.core.contracts import RunContext
 from subnetdp.core.errors import PeerLost, SubnetdpError
@@ -33,6 +34,7 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.train import faults
 from subnetdp.train.checkpoints import units
+from subnetdp.train.checkpoints.unlogged import Unlogged
 from subnetdp.train.continuation import Continued, LiveReader, SurvivorsPieces
 from subnetdp.train.stateful import local_names
 
@@ -136,17 +138,21 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
     return Continued(new_ctx, step, position, old_world, m.members, seconds, source.gained)
 
 
-def join(ctx: RunContext, state: "TrainState") -> Continued:
+def join(ctx: RunContext, state: "TrainState") -> Optional[Continued]:
     """The newcomer (its communicator joined the world at set-up, its model is on ``meta``): receive
-    every piece it owns under the W-rank plan, and where the run stands, from the members.
-    Collective: with every member's :func:`grow`."""
+    every piece it owns under the W-rank plan, and where the run stands, from the members. None for
+    any other worker. Collective: with every member's :func:`grow`."""
     start, comm = time.monotonic(), ctx.comm
-    decided = comm.joined
+    decided = getattr(comm, "joined", None)
+    if decided is None:
+        return None
     slot = int(decided["slot"])
     before = with_newcomer(MaskPlan(comm.world_size - 1, decided["plan"], state.plan.num_units), slot)
     source = SurvivorsPieces(LiveReader(comm.rank, {}, {}), before, None, state, absent=(slot,))
     _meet(ctx, source, state.plan, state, int(decided["step"]))  # collective: with the members' _meet
     state.regroup(ctx, before, state.plan, source)
-    assert source.step is not None and source.position is not None
+    assert source.step is not None and source.position is not None and source.run is not None
+    # What Checkpointer.adopt takes of the members' checkpointer: the run goes on under its id and lineage.
+    run = SimpleNamespace(run_id=source.run["run_id"], lineage=source.run["lineage"], unlogged=Unlogged(), last_saved=None)
     return Continued(ctx, source.step, source.position, comm.world_size - 1, comm.origin,
-                     time.monotonic() - start, source.gained, source.run)
+                     time.monotonic() - start, source.gained, run)

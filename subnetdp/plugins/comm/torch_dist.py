@@ -260,9 +260,8 @@ class TorchDistCommunicator(Communicator):
         that work times out (comm.timeout_s: measured, a second re-formation waited 55 s for it). A
         daemon thread holds the last references (the groups torch registered keep theirs anyway)."""
         old = list({id(g): g for g in self._groups.values()}.values())
-        for pg in old:
-            release(pg)
-        del pg  # noqa: F821 (not a reference left in this frame: the destructor must not run here)
+        for i in range(len(old)):  # by index: no loop variable keeps a group alive in this frame
+            release(old[i])
         self._groups = {}
         threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True).start()
 
@@ -312,11 +311,6 @@ class TorchDistCommunicator(Communicator):
         if m.rank == 0:  # every member is past the decision (the world formed): the next check is one round trip
             self._job_store.delete_key(f"{JOIN_KEY}/next")
         return m
-
-    def close_joins(self) -> None:
-        """The run ended: a replacement still waiting to join leaves (:func:`regroup.await_join`)."""
-        if self._job_store is not None and self.rank == 0:
-            self._job_store.set(f"{JOIN_KEY}/closed", "1")
 
     @property
     def can_regroup(self) -> bool:
