@@ -90,6 +90,10 @@ def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None
     from subnetdp.train.setup import preflight
 
     launch, nproc = settings.launch, settings.launch.nproc
+    if launch.replace and launch.on_failure != "continue":
+        raise ConfigError("launch.replace", launch.replace,
+                          "replaces dead workers of a job whose survivors go on in-process, but launch.on_failure="
+                          f"{launch.on_failure}", "set launch.on_failure=continue, or launch.replace=0")
     upfront.check_launcher(cfg, pm.registries, "local", nproc)
     # Fail on a bad plan or machine here, before any worker or process group exists.
     preflight(cfg, nproc, pm)
@@ -111,7 +115,7 @@ def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None
 
             print(f"starting {nproc} local workers (subnetdp supervisor: a dead worker is not restarted, "
                   "the others go on)", flush=True)
-            return launch_supervised(nproc, argv, timeout_s=settings.comm.timeout_s)
+            return launch_supervised(nproc, argv, timeout_s=settings.comm.timeout_s, replacements=launch.replace)
         restarts = launch.max_restarts
         again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)

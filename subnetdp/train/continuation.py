@@ -54,6 +54,18 @@ class Continued:
     members: tuple[int, ...]
     seconds: float
     gained: int  # pieces that moved to a new owner over the network
+    run: Any = None  # a newcomer's: the run id and lineage it goes on with, as ``Checkpointer.adopt`` reads them
+
+
+class WentOn(Exception):
+    """The world was re-formed in-process (a death, or a join): the loop trains on from ``continued``.
+
+    ``ckpt``: the checkpointer to adopt (run id, lineage, losses no row holds); ``full``: the W-rank plan
+    the job had before any death (a join returns to it)."""
+
+    def __init__(self, continued: Continued, ckpt: Any, losses: list[float], full: MaskPlan) -> None:
+        super().__init__(f"going on from step {continued.step}")
+        self.continued, self.ckpt, self.losses, self.full = continued, ckpt, losses, full
 
 
 def why_not(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> Optional[str]:
@@ -119,38 +131,40 @@ class LiveReader:
     def file_of(self, key: str, rank: Any = None) -> Any:
         return _Copies(self.rank, {})
 
-    def exchange(self, state: "TrainState", before: MaskPlan, after: MaskPlan) -> int:
+    def exchange(self, state: "TrainState", before: MaskPlan, after: MaskPlan, absent: Any = ()) -> int:
         """Every piece a rank gains comes from its lowest surviving owner, and every buffer copy a new
         holder's mean needs from its owner, by broadcasts in the re-formed world in global order.
-        Returns the pieces that changed hands. Collective: every survivor, with the same plans."""
-        comm, partition, rank = state.context.comm, state.partition, self.rank
+        ``absent``: ranks of ``before`` that hold nothing yet (a newcomer): they gain the shared tensors
+        too and are nobody's source. Returns the pieces that changed hands. Collective: every member,
+        with the same plans."""
+        comm, partition, rank, absent = state.context.comm, state.partition, self.rank, set(absent)
         sends: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
         moving = []
         for it in global_items(partition, before):
-            gainers = set(after.owners(it.unit)) - set(it.owners) if it.unit is not None else set()
+            owners = [r for r in it.owners if r not in absent]
+            gainers = set(after.owners(it.unit)) - set(owners) if it.unit is not None else absent
             if not gainers:
                 continue
             key = units.item_key(it)
-            moving.append((it, key))
-            if rank == it.owners[0]:
+            moving.append((key, owners[0], rank in gainers))
+            if rank == owners[0]:
                 sends[key] = [(n, tuple(self.pieces[n].shape), str(self.pieces[n].dtype).removeprefix("torch."))
                               for n in self.names.get(key, ())]
         table: dict[str, Any] = {}
         for part in comm.all_gather_object(sends):  # collective: what each sender's pieces hold
             table.update(part)
-        for it, key in moving:
-            gains = rank in after.owners(it.unit) and rank not in it.owners
+        for key, src, gains in moving:
             for name, shape, dtype in table[key]:
-                src = it.owners[0]
                 buf = (self.pieces[name].contiguous().clone() if rank == src
                        else torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device))
-                comm.broadcast(buf, src)  # collective: every survivor joins each piece that changes hands
+                comm.broadcast(buf, src)  # collective: every member joins each piece that changes hands
                 if gains:
                     self._add(name, buf)
         for it in global_items(partition, before, buffers=True):
             holders = set(after.owners(it.unit)) if it.unit is not None else set(it.owners)
+            owners = [r for r in it.owners if r not in absent]
             # The mean of float buffers reads every owner's copy, an integer buffer the lowest owner's.
-            sources = it.owners if partition.dtypes[it.name].is_floating_point else it.owners[:1]
+            sources = owners if partition.dtypes[it.name].is_floating_point else owners[:1]
             for src in sources:
                 if holders <= {src}:
                     continue  # only the source itself reads this copy
@@ -158,7 +172,7 @@ class LiveReader:
                 mine = self.copies[rank].get(key) if rank == src else None
                 buf = (mine.contiguous().clone() if mine is not None
                        else torch.empty(it.shape, dtype=partition.dtypes[it.name], device=comm.device))
-                comm.broadcast(buf, src)  # collective: every survivor joins each copy a mean needs
+                comm.broadcast(buf, src)  # collective: every member joins each copy a mean needs
                 if rank in holders and rank != src:
                     self.copies.setdefault(src, {})[key] = buf
         return len(moving)
@@ -166,27 +180,53 @@ class LiveReader:
 
 class SurvivorsPieces:
     """The survivors as a :class:`~subnetdp.train.state.PieceSource`: this rank's pieces as the step
-    every survivor finished ended, and its co-owners' over the re-formed world."""
+    every survivor finished ended, and its co-owners' over the re-formed world.
+
+    ``absent``: ranks that join with nothing (newcomers, :mod:`subnetdp.train.rejoin`). Then the
+    step, the optimizer's hyper-parameters, the schedule and the loader position travel too, from the
+    lowest member that holds them (``step=None``: this rank is a newcomer and holds none).
+    """
 
     trained_rates = None  # the values were trained under the plan before the change
 
-    def __init__(self, reader: LiveReader, before: MaskPlan, step: int, state: "TrainState") -> None:
+    def __init__(self, reader: LiveReader, before: MaskPlan, step: Optional[int], state: "TrainState",
+                 absent: tuple[int, ...] = (), position: Optional[dict[str, int]] = None,
+                 run: Optional[dict[str, Any]] = None) -> None:
         self.reader, self.before, self.step, self.gained = reader, before, step, 0
+        self.absent, self.position, self.run = absent, position, run  # run: the checkpoints' run id and lineage
+        self.fetched = False
         # What the old optimizer and schedule carry over (hyper-parameters, the schedule's position);
         # each parameter's state comes with its pieces.
         old = state.stateful()
         self.optimizer = {k: v for k, v in old["optimizer"].state_dict().items() if k != "params"}
         self.schedule = old["scheduler"].state_dict() if old["scheduler"] is not None else None
 
+    def fetch(self, state: "TrainState", after: MaskPlan) -> None:
+        """Everything that crosses the network, before the state changes (a join calls it first, so a
+        newcomer lost in the middle leaves the members' state as it was). Collective: every member."""
+        if self.fetched:
+            return
+        comm = state.context.comm
+        with comm.bytes.phase("heal"):
+            self.gained = self.reader.exchange(state, self.before, after, self.absent)  # collective
+            if self.absent:
+                mine = None if self.step is None else (self.step, self.optimizer, self.schedule, self.position, self.run)
+                # collective: every member; the newcomer learns where the run stands
+                theirs = next(m for m in comm.all_gather_object(mine) if m is not None)
+                self.step, self.optimizer, self.schedule, self.position, self.run = theirs
+        self.fetched = True
+
     def load(self, state: "TrainState", previous: Optional["Holding"]) -> int:
         reader, rank = self.reader, state.context.comm.rank
-        with state.context.comm.bytes.phase("heal"):
-            self.gained = reader.exchange(state, self.before, state.plan)  # collective
+        self.fetch(state, state.plan)  # collective unless fetched before
+        assert self.step is not None
+        present = [r for r in range(self.before.world_size) if r not in self.absent] if self.absent else None
         states = state.stateful()
         with torch.no_grad():
             index = LocalIndex(state.model, state.pmap)
             optim_state, outer = units.load_pieces(reader, rank, state.partition, state.plan, index)  # type: ignore[arg-type]
-            units.load_buffers(reader, rank, state.partition, state.plan, index, self.before, own=False)  # type: ignore[arg-type]
+            units.load_buffers(reader, rank, state.partition, state.plan, index, self.before, own=False,  # type: ignore[arg-type]
+                               present=present)
             states["sync"].load_state_dict({"step": self.step, "pieces": outer, "rank": {}})
         states["optimizer"].load_state_dict({**self.optimizer, "params": optim_state})
         if self.schedule is not None:
@@ -207,6 +247,7 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
     last, ended = ckpt.rewind()  # the step every survivor finished here, its buffers as it ended
     position = ended[0] if ended is not None else ckpt.loader.state_dict()
     old_world, old_rank = comm.world_size, comm.rank
+    origin = tuple(getattr(comm, "origin", range(old_world)))  # worker ids of today's ranks (a replacement's is new)
     try:
         m = comm.regroup(last)  # collective: every survivor agrees on the members and the step
     except (SubnetdpError, RuntimeError) as e:
@@ -217,8 +258,9 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
               f"{dict(zip(m.members, m.last_steps))} (a death inside the step's last collective)", flush=True)
         return None
     try:
-        before = state.plan.without(m.members)
-        after = state.plan.without(m.members, int(cfg.masker.min_owners))
+        ranks = [origin.index(i) for i in m.members]  # the members as ranks of the plan as it stands
+        before = state.plan.without(ranks)
+        after = state.plan.without(ranks, int(cfg.masker.min_owners))
     except SubnetdpError as e:
         print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)
         return None

@@ -9,6 +9,9 @@ production run pays one ``os.environ.get`` per point. The names are part of what
 - :data:`KILL_IN_PRUNE`: rank 0, amid the removal of an old checkpoint.
 - :data:`KILL_IN_SYNC` / :data:`KILL_IN_UPDATE`: inside this step's gradient averaging / right after
   its update (the training step, through :func:`step_faults`).
+- :data:`KILL_IN_JOIN`: amid a join's heal after this step, the owner groups made, before the broadcasts
+  (``train/rejoin.py``; the newcomer fills the dead rank's place, so ``KILL_RANK`` names it too).
+- :data:`AWAIT_JOIN`: the members wait at this step's boundary until a replacement announced itself.
 - :data:`NO_SPACE_IN_ASSEMBLY`: ENOSPC while building a recovered step (:func:`no_space`).
 - :data:`FLIP_BIT` (``STEP:RANK:UNIT[:BIT]``, comma-separated; UNIT a unit id or ``shared``; BIT 0 = the
   lowest, the default): flips that bit of the first value of the unit's first parameter piece on RANK
@@ -38,9 +41,13 @@ KILL_IN_WRITE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_WRITE"  # test-only: SIGKILL b
 KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL rank 0 amid a removal
 KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
 KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
+KILL_IN_JOIN = "SUBNETDP_TEST_KILL_IN_JOIN"  # test-only: SIGKILL a rank amid a join's heal (the join's step)
 KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
 KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
 NO_SPACE_IN_ASSEMBLY = "SUBNETDP_TEST_NO_SPACE_IN_ASSEMBLY"  # test-only: ENOSPC while building a recovered step
+#: test-only: the members wait at the boundary after this step until a replacement has announced itself
+#: (a replacement's start takes seconds; a short test run would end before it could join)
+AWAIT_JOIN = "SUBNETDP_TEST_AWAIT_JOIN"
 
 
 def fault_point(name: str, step: int, rank: int, marker_dir: Path) -> None:
@@ -72,6 +79,18 @@ def step_faults(rank: int, marker_dir: Path) -> Callable[[str, int], None] | Non
     if not any(os.environ.get(n) for n in names.values()):
         return None
     return lambda where, step: fault_point(names[where], step, rank, marker_dir)
+
+
+def await_join(step: int, waiting: Callable[[], bool], timeout_s: float) -> None:
+    """Test-only: at the boundary after ``$AWAIT_JOIN``'s step, wait until ``waiting()`` (a replacement
+    announced itself) or ``timeout_s``. Does nothing unless the variable is set."""
+    import time
+
+    if os.environ.get(AWAIT_JOIN) != str(step):
+        return
+    deadline = time.monotonic() + timeout_s
+    while not waiting() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def no_space(step: int, what: Path) -> None:

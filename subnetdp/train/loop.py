@@ -19,11 +19,12 @@ from subnetdp.core.plugins import PluginManager
 from subnetdp.train.checkpoints.files import step_dir
 from subnetdp.train.checkpoints.checkpointer import Checkpointer
 from subnetdp.train.checkpoints.source import reseed, seed_host_rngs
-from subnetdp.train.continuation import Continued, go_on, position_in
+from subnetdp.train.continuation import WentOn, go_on, position_in
 from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.owner_check import OwnerCheck
+from subnetdp.train.rejoin import JoinFailed, grow, join, join_due
 from subnetdp.train.report import reporting, summarise
 from subnetdp.train.setup import set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
@@ -65,29 +66,22 @@ def train(cfg: DictConfig, env: LaunchEnv | None = None, pm: PluginManager | Non
     return TrainedRun(ctx, state, result)
 
 
-class _WentOn(Exception):
-    """The survivors of a lost peer re-formed the world in-process: train on from ``continued``."""
-
-    def __init__(self, continued: Continued, ckpt: Checkpointer, losses: list[float]) -> None:
-        super().__init__(f"going on from step {continued.step}")
-        self.continued, self.ckpt, self.losses = continued, ckpt, losses
-
-
 def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None = None) -> RunResult:
     """Train ``state`` (built by :func:`~subnetdp.train.setup.setup`) to ``train.steps``.
 
     Under subnetdp's supervisor (``launch.on_failure=continue``) the survivors of a dead peer go on
     in-process (:mod:`subnetdp.train.continuation`): the loop starts again after the step they all
     finished, in the re-formed world."""
-    went_on: _WentOn | None = None
+    joined = join(ctx, state)  # collective for a replacement: the members heal it before its first step
+    went_on = WentOn(joined, joined.run, [], state.plan) if joined is not None else None
     while True:
         try:
             return _train(ctx, state, stopper, went_on)
-        except _WentOn as w:
+        except WentOn as w:
             ctx, went_on = w.continued.context, w
 
 
-def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: _WentOn | None) -> RunResult:
+def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: WentOn | None) -> RunResult:
     """The loop, top to bottom, from set-up, a resume or an in-process continuation (``went_on``)."""
     cfg, comm, hook, steps = ctx.cfg, ctx.comm, ctx.plugins.hook, ctx.steps
     loader = ctx.data.train_loader(ctx.rank, comm.world_size, int(cfg.train.batch_size))
@@ -98,12 +92,13 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
         first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
         say_going_on(ctx, first - 1)  # after a restart: every node's console says the job goes on
     else:  # the rules of a resume from the survivors' files on exactly the survivors (continuation.py)
-        ckpt.adopt(went_on.ckpt)
+        ckpt.adopt(went_on.ckpt)  # a replacement's: the run id and lineage the members sent
         loader.load_state_dict(position_in(went_on.continued, loader, int(cfg.train.batch_size)))
         reseed(int(cfg.seed) + went_on.continued.step)
         first = went_on.continued.step + 1
     if first > 1:
         ckpt.mark_finished(first - 1)
+    full = went_on.full if went_on is not None else state.plan  # the W-rank plan a join returns to
     batches = (_to_device(b, comm.device) for b in loader)
     meter = Meter(comm, state.parallel, first, steps, int(cfg.train.memory_step))
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
@@ -156,6 +151,8 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                         who = stopper.agreed(comm)  # collective: every rank, after this step
                     if who:
                         _stop(ctx, ckpt, step, who)
+                if (joining := join_due(ctx, state, step, full)) is not None:  # one store check a step; collective when due
+                    raise WentOn(grow(ctx, state, ckpt, joining, full), ckpt, list(reporter.losses), full)
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
                 evaluation = evaluate_run(ctx, state, steps)  # collective
                 hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,
@@ -168,9 +165,9 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
             hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
         except PeerLost as lost:
             # collective among the survivors: under the supervisor they re-form the world and go on.
-            continued = go_on(ctx, state, ckpt, lost)
+            continued = None if isinstance(lost, JoinFailed) else go_on(ctx, state, ckpt, lost)  # a failed join: restart path
             if continued is not None:
-                raise _WentOn(continued, ckpt, list(reporter.losses)) from None
+                raise WentOn(continued, ckpt, list(reporter.losses), full) from None
             if stopper is not None:
                 stopper.leaving()  # the agent's SIGTERM that follows a death asks for nothing more
             # A peer died or stopped answering: keep this rank's units as of its last finished step

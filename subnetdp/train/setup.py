@@ -26,7 +26,7 @@ from subnetdp.core.plan import MaskPlan, make_plan
 from subnetdp.launchers.nodes import plan_nodes
 from subnetdp.core.plugins import PluginManager
 from subnetdp.launchers import init_method
-from subnetdp.sdp.construct import meta_model
+from subnetdp.sdp.construct import empty_local, meta_model
 from subnetdp.sdp.flops import FlopRatios
 from subnetdp.sdp.variants import partition_model
 from subnetdp.train.checkpoints.checkpointer import check_resume_source
@@ -124,10 +124,17 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
 
     tasks = load_tasks(cfg, data)  # a task that is unknown or needs a download fails here, on every rank
     check_resume_source(cfg)  # a damaged manifest fails here, on every rank
+    if getattr(comm, "replacement", False):  # a replacement of a dead worker: ready before it announces itself
+        from subnetdp.train.rejoin import warm_up
+
+        warm_up(cfg, env.rank, env.world_size, data, adapter, spec, partition, plan, comm.device)
     comm.init()  # collective: the first point where every rank meets.
-    check_ranks_agree(comm, plan, cfg, pm)
-    run_dir = resolve_run_dir(cfg, comm)
-    lock = lock_run_dir(run_dir, comm)
+    # A replacement joins members in mid-run (train/rejoin.py): it shares none of set-up's collectives.
+    joined = getattr(comm, "joined", None) is not None
+    if not joined:
+        check_ranks_agree(comm, plan, cfg, pm)
+    run_dir = resolve_run_dir(cfg, comm)  # the supervisor names the run: no collective for a replacement
+    lock = None if joined else lock_run_dir(run_dir, comm)
     frozen = copy.deepcopy(cfg)  # the caller keeps its own config; the run's cannot change under it
     OmegaConf.set_readonly(frozen, True)
     ctx = RunContext(cfg=frozen, env=env, comm=comm, plugins=pm, adapter=adapter, data=data, spec=spec,
@@ -136,6 +143,10 @@ def setup(cfg: DictConfig, env: LaunchEnv, pm: PluginManager,
         on_context(ctx)
     # Owner-local: only this rank's units and the shared tensors get storage. Collective: FSDP's device
     # mesh (when sharded) and the synchroniser's owner groups are created on every rank.
+    if joined:  # on meta-made storage: every value comes from the members over the network
+        plan = MaskPlan(plan.world_size, comm.joined["full"], plan.num_units)  # the plan the members return to
+        model, pmap = empty_local(adapter, spec, plan.owned[env.rank], partition, cfg.masker, comm.device)
+        return ctx, TrainState(ctx, partition, plan, model, pmap, last_good=lambda: latest_checkpoint(ctx.run_dir))
     return ctx, TrainState.build(ctx, partition, plan, full, last_good=lambda: latest_checkpoint(ctx.run_dir))
 
 

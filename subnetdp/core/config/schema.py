@@ -121,6 +121,9 @@ class LaunchConfig:
     on_failure: str = doc("subnetdp train launch.nproc=N: after a worker dies, restart the workers (torch's elastic agent) or "
                           "continue: the workers run under subnetdp's supervisor, which restarts nobody, and the survivors "
                           "go on in-process at the smaller world (docs/inprocess.md)", "restart", choices=("restart", "continue"))
+    replace: int = doc("launch.on_failure=continue: dead workers the supervisor replaces by a fresh worker, which joins the "
+                       "survivors at a step boundary and is healed from its units' owners over the network: the world grows "
+                       "back to launch.nproc (docs/inprocess.md)", 0, lo=0, fix="0 replaces nobody: the survivors go on at the smaller world")
     rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents meet (a free port on the node started first)", "")
     rdzv_id: str = doc("the job's rendezvous id, the same on every node (empty: subnetdp-RUN.NAME)", "")
     rdzv_conf: str = doc("torchrun's --rdzv-conf, e.g. last_call_timeout=30,join_timeout=600", "")

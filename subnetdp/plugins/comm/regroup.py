@@ -34,6 +34,7 @@ class Membership:
     members: tuple[int, ...]  # old ranks that go on, ascending; the new rank of members[i] is i
     last_steps: tuple[int, ...]  # the last finished step each member reported, in members' order
     old_rank: int
+    space: str = REGROUP_KEY  # a join forms its world under its own keys (JOIN_KEY/<id>): never a death's
 
     @property
     def rank(self) -> int:
@@ -55,7 +56,7 @@ class Membership:
 
     @property
     def prefix(self) -> str:
-        return f"{REGROUP_KEY}/{self.generation}"
+        return f"{self.space}/{self.generation}"
 
     def new_rank(self, old: int) -> int:
         return self.members.index(old)
@@ -136,10 +137,63 @@ def form_group(store: Any, membership: Membership, owners_old: Sequence[int], ti
     caller outside the group.
     # collective: every surviving owner of this group reaches this.
     """
-    alive = [r for r in sorted(owners_old) if r in membership.members]
+    # In the order given (the new ranks' order): after a join a newcomer's id is higher than the ranks around it.
+    alive = [r for r in owners_old if r in membership.members]
     if membership.old_rank not in alive:
         return None
     key = "-".join(map(str, alive))
     pg_store = dist.PrefixStore(f"{membership.prefix}/group/{key}", store)
     return dist.ProcessGroupGloo(pg_store, alive.index(membership.old_rank), len(alive),
                                  datetime.timedelta(seconds=timeout_s))
+
+
+JOIN_KEY = "subnetdp/join"  # /next: the replacement waiting; /<id>/decided: the step it joins at; /closed: the job ended
+
+
+def announce(store: Any, worker_id: int, slot: int) -> None:
+    """A replacement says it waits to join in the dead worker's place ``slot`` (its rank at W)."""
+    store.set(f"{JOIN_KEY}/next", json.dumps({"id": int(worker_id), "slot": int(slot)}))
+
+
+def join_decision(store: Any, step: int, last_step: int, generation: int, world: Sequence[int],
+                  can_grow: bool, extra: dict | None = None) -> dict | None:
+    """A member at the boundary after ``step``: the join decided for this world, or None.
+
+    One ``check`` of the store per step when no replacement waits. The first member to see one
+    proposes the boundary after the next step (``compare_set`` keeps the first proposal): a member
+    can be at most one boundary behind another (each step ends in a world reduction), so every
+    member meets the decision at that boundary at the latest, and none is a step ahead. A decision
+    made for another world (a death came between) is void for everyone alike. ``extra`` rides in the
+    proposal (what the newcomer needs to know before it forms the world with the members).
+    """
+    if not store.check([f"{JOIN_KEY}/next"]):
+        return None
+    ask = json.loads(store.get(f"{JOIN_KEY}/next"))
+    key = f"{JOIN_KEY}/{ask['id']}/decided"
+    if not store.check([key]):
+        if not can_grow or step + 1 >= last_step or any(store.check([f"{DEAD_KEY}/{r}"]) for r in world):
+            return None  # nothing to grow back to, too late in the run, or a death is being handled
+        proposal = json.dumps({**(extra or {}), "step": step + 1, "generation": generation, "world": list(world), **ask})
+        store.compare_set(key, "", proposal)
+    decided = json.loads(store.get(key))
+    if decided["generation"] != generation or decided["world"] != list(world):
+        return None
+    return decided
+
+
+def joined_membership(decided: dict, old_rank: int) -> Membership:
+    """The world a join forms: the members in their ranks' order, the newcomer in the place it fills."""
+    members = list(decided["world"])
+    members.insert(int(decided["slot"]), int(decided["id"]))
+    return Membership(int(decided["generation"]), tuple(members), (int(decided["step"]),) * len(members), old_rank,
+                      space=f"{JOIN_KEY}/{decided['id']}")
+
+
+def await_join(store: Any, worker_id: int, poll_s: float = 0.05) -> dict | None:
+    """The newcomer: wait for the members' decision (None: the job ended first, ``JOIN_KEY/closed``)."""
+    key = f"{JOIN_KEY}/{worker_id}/decided"
+    while not store.check([key]):
+        if store.check([f"{JOIN_KEY}/closed"]):
+            return None
+        time.sleep(poll_s)
+    return json.loads(store.get(key))

@@ -12,6 +12,7 @@ import datetime
 import os
 import pickle
 import re
+import threading
 import time
 from typing import Any, Sequence
 
@@ -20,11 +21,14 @@ import torch.distributed as dist
 
 from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
-from subnetdp.plugins.comm.regroup import DEAD_KEY, Membership, agree, form_group, form_world, release, wait_or_regroup
+from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, Membership, agree, announce, await_join, form_group,
+                                           form_world, join_decision, joined_membership, release, wait_or_regroup)
 
 #: Set by the supervisor (``launchers/supervisor.py``) in every worker it starts: the launcher's
 #: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
 SUPERVISED_ENV = "SUBNETDP_SUPERVISED"
+#: Set by the supervisor in a replacement it starts after a death: its worker id (``launchers/supervisor.py``).
+JOIN_ENV = "SUBNETDP_JOIN_ID"
 
 
 class WorkHandle(Handle):
@@ -180,6 +184,7 @@ class TorchDistCommunicator(Communicator):
         self._job_store: Any = None  # the launcher's store, unprefixed: where the supervisor marks the dead
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
+        self._joined: dict | None = None  # a replacement: the decision it joined under
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
@@ -189,6 +194,9 @@ class TorchDistCommunicator(Communicator):
         elastic = os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None
         if self.world_size == 1 and init_method == "env://":
             kwargs["store"] = dist.HashStore()
+        elif self.replacement:
+            self._join(timeout)
+            return
         elif elastic and init_method == "env://":
             # torchrun keeps one agent store across restarts of the group, and the keys the process
             # group writes carry no attempt number: a restarted rank could read a dead peer's
@@ -232,6 +240,78 @@ class TorchDistCommunicator(Communicator):
         self._groups[key] = dist.new_group(list(key), backend=self.backend,
                                            timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
 
+    def _join(self, timeout: float) -> None:
+        """A replacement: announce itself in the job's store, wait for the members' decision, and form
+        the world of W with them (no world of its own is ever made). # collective: with every member."""
+        self._job_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world_size,
+                                                     timeout=datetime.timedelta(seconds=timeout)))
+        me = int(os.environ[JOIN_ENV])
+        announce(self._job_store, me, self.rank)
+        decided = await_join(self._job_store, me)
+        if decided is None:
+            raise SubnetdpError(f"rank {self.rank} (a replacement) did not join: the job ended before the members "
+                                "reached a step boundary it could join at")
+        self._joined = decided
+        self._become(joined_membership(decided, me), timeout)
+
+    def _retire(self) -> None:
+        """Abort the groups of today's world and let them go off the critical path: a re-formed group is
+        torch's object alone, and one with work pending on a dead peer blocks in its destructor until
+        that work times out (comm.timeout_s: measured, a second re-formation waited 55 s for it). A
+        daemon thread holds the last references (the groups torch registered keep theirs anyway)."""
+        old = list({id(g): g for g in self._groups.values()}.values())
+        for i in range(len(old)):  # by index: no loop variable keeps a group alive in this frame
+            release(old[i])
+        self._groups = {}
+        threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True).start()
+
+    def _become(self, m: Membership, timeout: float) -> None:
+        """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective)."""
+        world = form_world(self._job_store, m, timeout)  # collective: every member of m reaches this
+        self._membership, self._origin = m, m.members
+        self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
+        self._groups = {self.world: world}
+
+    @property
+    def replacement(self) -> bool:
+        """Whether this process replaces a dead worker (started by the supervisor to join at a step boundary)."""
+        return bool(os.environ.get(JOIN_ENV)) and os.environ.get(SUPERVISED_ENV) == "1"
+
+    @property
+    def joined(self) -> dict | None:
+        """A replacement: the members' decision it joined under (the step, the plan as it stood), else None."""
+        return self._joined
+
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """The worker id of each rank of now (the job's first ranks, then replacements' ids)."""
+        return self._origin or tuple(range(self.world_size))
+
+    def join_waiting(self) -> bool:
+        """Whether a replacement has announced itself and waits to join."""
+        return self._job_store is not None and self._job_store.check([f"{JOIN_KEY}/next"])
+
+    def join_due(self, step: int, last_step: int, can_grow: bool, extra: dict | None = None) -> dict | None:
+        """At the boundary after ``step``: the join every member makes now, or None (one store ``check``
+        a step while no replacement waits; :func:`regroup.join_decision`)."""
+        if self._job_store is None or self._membership is None:
+            return None
+        decided = join_decision(self._job_store, step, last_step, self._membership.generation + 1,
+                                self._origin, can_grow, extra)
+        return decided if decided is not None and int(decided["step"]) == step else None
+
+    def grow(self, decided: dict) -> Membership:
+        """Take the newcomer of ``decided`` into the world: the old groups are released and the world of
+        W formed under the join's own prefix; owner groups are made again by :meth:`new_group`.
+        # collective: every member and the newcomer reach this."""
+        self._retire()
+        old = self._origin[self.rank]
+        m = joined_membership(decided, old)
+        self._become(m, float(self.cfg.timeout_s))
+        if m.rank == 0:  # every member is past the decision (the world formed): the next check is one round trip
+            self._job_store.delete_key(f"{JOIN_KEY}/next")
+        return m
+
     @property
     def can_regroup(self) -> bool:
         """Whether :meth:`regroup` can re-form the world (the workers run under subnetdp's supervisor)."""
@@ -251,8 +331,7 @@ class TorchDistCommunicator(Communicator):
             raise SubnetdpError(f"comm.name={self.cfg.name}: going on in-process needs the supervisor's store "
                                 "(launchers/supervisor.py; no launch command starts workers under it yet: docs/inprocess.md)")
         origin = self._origin or tuple(range(self.world_size))
-        for pg in {id(g): g for g in self._groups.values()}.values():
-            release(pg)
+        self._retire()
         generation = (self._membership.generation if self._membership else 0) + 1
         timeout = self.cfg.timeout_s
         m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)

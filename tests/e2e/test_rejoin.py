@@ -1,0 +1,55 @@
+"""``launch.replace``: a worker dies, the survivors go on at W-1, a replacement joins and the world grows back.
+
+Real processes and a real SIGKILL under the real ``subnetdp train launch.nproc=4 launch.on_failure=continue``:
+the supervisor starts a replacement, which announces itself in the job's store; the members take it
+in at a step boundary they all agree on, and it receives every piece of the W-rank plan it owns, with
+its optimizer state and buffers, from their current owners over the network (docs/inprocess.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from subnetdp.core.plan import MaskPlan
+from subnetdp.train import faults
+
+from tests.e2e.test_inprocess_launch import _run, _steps
+
+
+def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
+    # Rank 1 is SIGKILLed inside step 3's gradient averaging: the survivors go on at W=3 from step 2, the
+    # supervisor starts a replacement, the members take it in at a step boundary, and the run ends at W=4.
+    proc = _run(tmp_path, "rejoin", "train.steps=8", "optim.name=adamw", "masker.min_owners=2",
+                "recovery.verify_every=1", "launch.nproc=4", "launch.on_failure=continue", "launch.replace=1",
+                env={faults.KILL_IN_SYNC: "3", faults.AWAIT_JOIN: "4"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-4000:]
+    run = tmp_path / "rejoin"
+    assert faults.fault_marker(run, faults.KILL_IN_SYNC, 3, 1).exists()  # the SIGKILL happened
+    assert "old ranks [0, 2, 3]) go on in-process from step 2" in console, console[-4000:]
+    joined = re.search(r"a replacement joined as rank 1 after step (\d+): the world is 4 again .*?"
+                       r"(\d+) piece\(s\) sent to it over the network \(([\d.]+) MiB", console)
+    assert joined and 2 <= int(joined.group(1)) < 8, console[-4000:]
+    assert int(joined.group(2)) > 0 and float(joined.group(3)) > 0
+    assert "owners disagree" not in console, console[-4000:]  # every step's digests agreed, after the join too
+    steps = _steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 8, steps  # no step logged twice, the run ended
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 4
+
+    # The final checkpoint is of the W-rank plan the job started with, and holds the newcomer's share. Each
+    # piece is written once (by one of its owners), so the owners' equality is the digests' above: values and
+    # optimizer state of every unit, the newcomer's included, compared among their owners after every step
+    # from the join on, the final checkpoint's step included (a checkpoint is written only once verified).
+    final = json.loads((run / "checkpoints" / "step_00000008" / "MANIFEST.json").read_text())
+    assert final["world_size"] == 4 and final["plan_digest"] == _plan(run / "plan.json").digest()
+    newcomer = load_file(str(run / "checkpoints" / "step_00000008" / "pieces_1.safetensors"))
+    assert len(newcomer) > 10 and all(torch.isfinite(t).all() for t in newcomer.values() if t.is_floating_point())
+
+
+def _plan(path: Path) -> MaskPlan:
+    return MaskPlan.from_dict(json.loads(path.read_text()))
