@@ -77,7 +77,7 @@ def why_not(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> Optio
         return "owners' copies differ between synchronisations (sync.mode=local_steps)"
     if state.parallel.sharded:
         return "fsdp.shard_size > 1"
-    if int(cfg.masker.resample_every) > 0:
+    if cfg.masker.resample_every > 0:
         return f"masker.resample_every={cfg.masker.resample_every}"
     if regime_of(cfg.masker).refreshes:
         return "backward masking (every rank holds every unit)"
@@ -260,7 +260,7 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
     try:
         ranks = [origin.index(i) for i in m.members]  # the members as ranks of the plan as it stands
         before = state.plan.without(ranks)
-        after = state.plan.without(ranks, int(cfg.masker.min_owners))
+        after = state.plan.without(ranks, cfg.masker.min_owners)
     except SubnetdpError as e:
         print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)
         return None

@@ -84,27 +84,27 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
 def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: WentOn | None) -> RunResult:
     """The loop, top to bottom, from set-up, a resume or an in-process continuation (``went_on``)."""
     cfg, comm, hook, steps = ctx.cfg, ctx.comm, ctx.plugins.hook, ctx.steps
-    loader = ctx.data.train_loader(ctx.rank, comm.world_size, int(cfg.train.batch_size))
+    loader = ctx.data.train_loader(ctx.rank, comm.world_size, cfg.train.batch_size)
     ckpt = Checkpointer(ctx, state, loader)
     if went_on is None:
         # After set-up, whose lazy imports may draw from them (rich, via scikit-learn, does); a resume restores them.
-        seed_host_rngs(int(cfg.seed))
+        seed_host_rngs(cfg.seed)
         first = ckpt.start() + 1  # collective: resumes (a re-plan from the checkpoint) when cfg.resume asks for one
         say_going_on(ctx, first - 1)  # after a restart: every node's console says the job goes on
     else:  # the rules of a resume from the survivors' files on exactly the survivors (continuation.py)
         ckpt.adopt(went_on.ckpt)  # a replacement's: the run id and lineage the members sent
-        loader.load_state_dict(position_in(went_on.continued, loader, int(cfg.train.batch_size)))
-        reseed(int(cfg.seed) + went_on.continued.step)
+        loader.load_state_dict(position_in(went_on.continued, loader, cfg.train.batch_size))
+        reseed(cfg.seed + went_on.continued.step)
         first = went_on.continued.step + 1
     if first > 1:
         ckpt.mark_finished(first - 1)
     full = went_on.full if went_on is not None else state.plan  # the W-rank plan a join returns to
     batches = (_to_device(b, comm.device) for b in loader)
-    meter = Meter(comm, state.parallel, first, steps, int(cfg.train.memory_step))
+    meter = Meter(comm, state.parallel, first, steps, cfg.train.memory_step)
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
     owners = OwnerCheck(ctx, state)  # recovery.verify_every
     evaluation: Evaluation | None = None
-    every_step_stop = bool(cfg.sync.stop_every_step)
+    every_step_stop = cfg.sync.stop_every_step
     with reporting(ctx, meter) as reporter:  # the built-in reporter: progress, log lines, TensorBoard, summary.json
         try:
             hook.subnetdp_on_run_start(context=ctx, state=state)
@@ -115,7 +115,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
             for step in range(first, steps + 1):
-                log_step = step % int(cfg.train.log_every) == 0 or step == steps
+                log_step = step % cfg.train.log_every == 0 or step == steps
                 state.synchronizer.prepare()  # drops the last step's gradients: before the memory baseline is taken
                 with meter.step(step, state.lasting_tensors):
                     # collective: owner groups average the gradients, the guard, and (when due) local steps'
@@ -133,7 +133,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                 ckpt.mark_finished(step, loss)  # what a survivor's files need (outside the measured step)
                 metrics = {"loss": loss, "lr": state.optimizer.param_groups[0]["lr"],
                            "step_time": meter.last_step_time, "grad_norm": out.grad_norm, **probe.figures(step)}
-                if step == steps or (int(cfg.eval.every) and step % int(cfg.eval.every) == 0):
+                if step == steps or (cfg.eval.every and step % cfg.eval.every == 0):
                     evaluation = evaluate_run(ctx, state, step)  # collective: the union model streams through every rank
                     hook.subnetdp_on_eval_end(context=ctx, state=state, step=step, metrics=evaluation.metrics,
                                               union=evaluation.union, tasks=evaluation.tasks)

@@ -52,7 +52,7 @@ def warm_up(cfg: Any, rank: int, world_size: int, data: Any, adapter: Any, spec:
 
     from subnetdp.sdp.construct import empty_local
 
-    batch = next(iter(data.train_loader(rank, world_size, int(cfg.train.batch_size))))
+    batch = next(iter(data.train_loader(rank, world_size, cfg.train.batch_size)))
     model, _ = empty_local(adapter, spec, plan.owned[rank], partition, cfg.masker, device)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
@@ -77,8 +77,8 @@ def join_due(ctx: RunContext, state: "TrainState", step: int, full: MaskPlan) ->
     if due is None:
         return None
     can_grow = ctx.comm.world_size == full.world_size - 1
-    faults.await_join(step, ctx.comm.join_waiting, float(ctx.cfg.comm.timeout_s))  # test-only
-    return due(step, int(ctx.cfg.train.steps), can_grow, {"plan": state.plan.owned, "full": full.owned})
+    faults.await_join(step, ctx.comm.join_waiting, ctx.cfg.comm.timeout_s)  # test-only
+    return due(step, ctx.steps, can_grow, {"plan": state.plan.owned, "full": full.owned})
 
 
 class JoinFailed(PeerLost):

@@ -47,11 +47,11 @@ def test_the_plan_as_it_stands_is_numbered_at_w_with_the_newcomer_holding_nothin
 def test_a_replacement_without_going_on_in_process_is_refused_in_one_line_before_any_worker():
     import pytest
 
-    from subnetdp.core.config import compose
+    from subnetdp.core.config import Settings, compose
     from subnetdp.core.errors import ConfigError
     from subnetdp.core.plugins import PluginManager
     from subnetdp.train.command import _start_local_workers
 
     cfg = compose("resnet18_digits", ["launch.nproc=2", "launch.replace=1"])
     with pytest.raises(ConfigError, match=r"launch.replace=1: .*launch.on_failure=restart .*set launch.on_failure=continue"):
-        _start_local_workers(cfg, "resnet18_digits", ["launch.replace=1"], 2, PluginManager())
+        _start_local_workers(cfg, Settings.from_config(cfg), "resnet18_digits", ["launch.replace=1"], PluginManager())

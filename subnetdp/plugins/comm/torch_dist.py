@@ -307,7 +307,7 @@ class TorchDistCommunicator(Communicator):
         self._retire()
         old = self._origin[self.rank]
         m = joined_membership(decided, old)
-        self._become(m, float(self.cfg.timeout_s))
+        self._become(m, self.cfg.timeout_s)
         if m.rank == 0:  # every member is past the decision (the world formed): the next check is one round trip
             self._job_store.delete_key(f"{JOIN_KEY}/next")
         return m
