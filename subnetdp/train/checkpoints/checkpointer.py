@@ -89,10 +89,9 @@ def final_wanted(cfg: Any, steps: int | None = None) -> bool:
     """Whether the checkpoint after the last step is written (``checkpoint.final``).
 
     ``auto`` writes it when the run asked for checkpoints (``checkpoint.every > 0``), can be
-    resumed (``resume`` is not ``never``) or is long (``train.steps >= AUTO_FINAL_MIN_STEPS``):
-    a short trial keeps its summary and metrics but not a full copy of its weights and optimizer
-    state, so 25 short trials do not fill a disk. ``always`` / ``never`` decide it outright.
-    ``steps``: the steps the run trains (the context's, FLOP-matched or not); ``train.steps`` if None.
+    resumed (``resume`` is not ``never``) or is long (``steps``, the steps trained, else ``train.steps``,
+    ``>= AUTO_FINAL_MIN_STEPS``): a short trial keeps its summary and metrics but not a full copy of its
+    weights and optimizer state, so 25 short trials do not fill a disk. ``always`` / ``never`` decide it.
     """
     final = cfg.checkpoint.final
     if final != "auto":
