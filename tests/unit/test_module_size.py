@@ -1,4 +1,4 @@
-"""Files a reader can hold: no module of the package over 500 lines (docs/architecture.md)."""
+"""Files a reader can hold: no module of the package over 500 lines (a longer one splits by concept)."""
 
 from pathlib import Path
 
