@@ -234,6 +234,16 @@ class SurvivorsPieces:
         return self.step
 
 
+
+def held_pieces(state: "TrainState", rank: int, plan: MaskPlan) -> tuple[dict, dict]:
+    """The pieces (values and optimizer state, per owner) and buffers ``rank`` holds under ``plan``, as
+    views of the live model and optimizer: what a :class:`LiveReader` serves when the world changes."""
+    index = LocalIndex(state.model, state.pmap)
+    params = [p for g in state.optimizer.param_groups for p in g["params"]]
+    optim_state = {n: state.optimizer.state[p] for n, p in zip(local_names(state.model, state.optimizer), params)}
+    pieces = units.pieces_to_write(rank, state.partition, plan, index, {}, optim_state, per_owner=True)
+    return pieces, units.buffers_to_write(rank, state.partition, plan, index)
+
 def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: PeerLost) -> Optional[Continued]:
     """Re-form the world without the lost ranks and re-plan the state in it; None when the survivors must
     take today's path instead (one line says why). Collective among the survivors."""
@@ -265,13 +275,8 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
         print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)
         return None
     new_ctx = dataclasses.replace(ctx, env=comm.env)
-    index = LocalIndex(state.model, state.pmap)
-    params = [p for g in state.optimizer.param_groups for p in g["params"]]
-    optim_state = {n: state.optimizer.state[p] for n, p in zip(local_names(state.model, state.optimizer), params)}
-    pieces = units.pieces_to_write(m.rank, state.partition, before, index, {}, optim_state, per_owner=True)
-    buffers = units.buffers_to_write(m.rank, state.partition, before, index)
     # Views of the old model and optimizer, alive until the new model is filled.
-    source = SurvivorsPieces(LiveReader(m.rank, pieces, buffers), before, last, state)
+    source = SurvivorsPieces(LiveReader(m.rank, *held_pieces(state, m.rank, before)), before, last, state)
     state.regroup(new_ctx, before, after, source)  # collective: the new owner groups, the pieces gained
     seconds = time.monotonic() - start
     if m.rank == 0:

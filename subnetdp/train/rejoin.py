@@ -31,12 +31,9 @@ from typing import TYPE_CHECKING, Any, Optional
 from subnetdp.core.contracts import RunContext
 from subnetdp.core.errors import PeerLost, SubnetdpError
 from subnetdp.core.plan import MaskPlan
-from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.train import faults
-from subnetdp.train.checkpoints import units
 from subnetdp.train.checkpoints.unlogged import Unlogged
-from subnetdp.train.continuation import Continued, LiveReader, SurvivorsPieces
-from subnetdp.train.stateful import local_names
+from subnetdp.train.continuation import Continued, LiveReader, SurvivorsPieces, held_pieces
 
 if TYPE_CHECKING:
     from subnetdp.train.checkpoints.checkpointer import Checkpointer
@@ -114,13 +111,9 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
     try:
         m = comm.grow(decided)  # collective: the world of W under the join's own prefix
         new_ctx = dataclasses.replace(ctx, env=comm.env)
-        index = LocalIndex(state.model, state.pmap)
-        params = [p for g in state.optimizer.param_groups for p in g["params"]]
-        optim_state = {n: state.optimizer.state[p] for n, p in zip(local_names(state.model, state.optimizer), params)}
-        pieces = units.pieces_to_write(m.rank, state.partition, before, index, {}, optim_state, per_owner=True)
-        buffers = units.buffers_to_write(m.rank, state.partition, before, index)
         position = dict(ckpt.loader.state_dict())
-        source = SurvivorsPieces(LiveReader(m.rank, pieces, buffers), before, step, state, absent=(slot,),
+        reader = LiveReader(m.rank, *held_pieces(state, m.rank, before))
+        source = SurvivorsPieces(reader, before, step, state, absent=(slot,),
                                  position=position, run={"run_id": ckpt.run_id, "lineage": ckpt.lineage})
         _meet(new_ctx, source, full, state, step)  # collective
     except (PeerLost, SubnetdpError, RuntimeError) as e:
