@@ -294,6 +294,10 @@ class StreamedUnion:
                                   for slots in self._slots.values() for s in slots for f in s.fetches
                                   if f.dim not in (None, 0)), default=0)
         self._hooks: list[Any] = []
+        # One staging buffer for every piece that needs one, reused: a buffer a finished broadcast still
+        # references is released whenever the backend lets go of it, so a fresh one per piece could
+        # briefly hold two (seen as one piece over the memory bound).
+        self._stage: torch.Tensor | None = None
         self._resident(plan, scaled)
         for path, slots in self._slots.items():
             m = self.module.get_submodule(path)
@@ -360,6 +364,13 @@ class StreamedUnion:
             owner._buffers[name.rpartition(".")[2]] = t
             self.resident_bytes += t.numel() * t.element_size()
 
+    def _staged(self, dst: torch.Tensor) -> torch.Tensor:
+        """A contiguous buffer shaped as ``dst``, a view of the one staging buffer (``staging_bytes``)."""
+        nbytes = dst.numel() * dst.element_size()
+        if self._stage is None:
+            self._stage = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
+        return self._stage[:nbytes].view(dst.dtype).view(dst.shape)
+
     @torch.no_grad()
     def _fill(self, slots: list[_Slot]) -> None:
         """Materialise ``slots`` from their owners. Collective: every rank runs the same module here."""
@@ -368,7 +379,7 @@ class StreamedUnion:
             t = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
             for f in slot.fetches:
                 dst = t if f.dim is None else t.narrow(f.dim, f.start, f.stop - f.start)
-                buf = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=slot.dtype, device=self.device)
+                buf = dst if dst.is_contiguous() else self._staged(dst)
                 if rank == f.src:
                     for a, b in f.parts:
                         part = buf if f.dim is None else buf.narrow(f.dim, a - f.start, b - a)
@@ -377,7 +388,7 @@ class StreamedUnion:
                 if buf is not dst:
                     dst.copy_(buf)
                 self.fetched_bytes += buf.numel() * buf.element_size()
-                del buf, dst  # a staging buffer goes before the next piece's arrives
+                del buf, dst
             if slot.scale != 1.0:
                 t.mul_(slot.scale)  # eval.block_union=rescaled, as fold_branch_scales does it
             slot.idle = slot.module._parameters[slot.attr]
@@ -392,6 +403,7 @@ class StreamedUnion:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._stage = None
 
     def __enter__(self) -> "StreamedUnion":
         return self
