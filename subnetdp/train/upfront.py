@@ -37,7 +37,9 @@ from subnetdp.train import runlock
 
 #: What :func:`finished_run` reads of a run's ``summary.json`` (the rest is for people and tools).
 SUMMARY = records.Record({"steps": records.Int(0)},
-                         optional={"eval": records.Nullable(records.MapOf(records.Str(), records.Number()))})
+                         optional={"eval": records.Nullable(records.MapOf(records.Str(), records.Number())),
+                                   "flop_matched": records.Record({"steps_requested": records.Int(0),
+                                                                   "steps": records.Int(0)})})
 
 
 def check_run_dir(cfg: DictConfig) -> None:
@@ -168,9 +170,12 @@ def check_new_run(cfg: DictConfig, remove: bool = True) -> None:
 
 
 def finished_run(cfg: DictConfig) -> str | None:
-    """With ``resume=auto``: a message when the run already finished ``train.steps`` (else None).
+    """With ``resume=auto``: a message when the run already finished its steps (else None).
 
-    Finished means its summary records ``train.steps`` steps; the run directory is left as it is.
+    Finished means its summary records the steps this config trains: ``train.steps``, or with
+    ``train.flop_matched`` the matched count the summary records for the same ``train.steps`` (the
+    count is the plan's, known before set-up only from a run that asked for the same; a run that asked
+    for other steps is not finished). The run directory is left as it is.
     """
     if cfg.resume != "auto" or not cfg.run.name:
         return None
@@ -184,7 +189,13 @@ def finished_run(cfg: DictConfig) -> str | None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"{summary}: cannot be read as JSON ({first}): {fix}") from None
     records.check(SUMMARY, done, summary, fix)
-    if done["steps"] < cfg.train.steps:
+    target = cfg.train.steps
+    if cfg.train.flop_matched:
+        matched = done.get("flop_matched")
+        if matched is None or matched["steps_requested"] != cfg.train.steps:
+            return None
+        target = matched["steps"]
+    if done["steps"] < target:
         return None
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in (done.get("eval") or {}).items())
     return (f"run {summary.parent} already finished its {done['steps']} steps ({summary}"
