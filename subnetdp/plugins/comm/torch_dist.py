@@ -22,7 +22,8 @@ import torch.distributed as dist
 from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
 from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, Membership, agree, announce, await_join, form_group,
-                                           form_world, join_decision, joined_membership, release, wait_or_regroup)
+                                           form_world, gather_members, join_decision, joined_membership, release,
+                                           wait_or_regroup)
 
 #: Set by the supervisor (``launchers/supervisor.py``) in every worker it starts: the launcher's
 #: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
@@ -231,7 +232,9 @@ class TorchDistCommunicator(Communicator):
         if self._membership is not None:
             # After a re-formation only the group's members make it (named by the job's first ranks).
             # collective: every member of the group reaches this.
-            self._none_dead([self._origin[r] for r in key], "forming an owner group")
+            if self._origin[self.rank] in [self._origin[r] for r in key]:
+                gather_members(self._job_store, self._membership, [self._origin[r] for r in key],
+                               self.cfg.timeout_s, "forming an owner group")
             pg = form_group(self._job_store, self._membership, [self._origin[r] for r in key], self.cfg.timeout_s)
             if pg is not None:
                 self._groups[key] = pg
@@ -340,17 +343,9 @@ class TorchDistCommunicator(Communicator):
         # next re-formation is the next generation, among these members (the agreed keys are never reused).
         self._membership, self._origin = m, m.members
         self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
-        self._none_dead(m.members, f"re-formation {generation}")
+        gather_members(self._job_store, m, m.members, timeout, f"forming the world of re-formation {generation}")
         self._groups = {self.world: form_world(self._job_store, m, timeout)}
         return m
-
-    def _none_dead(self, workers: Sequence[int], what: str) -> None:
-        """Raise :class:`PeerLost` when the supervisor has marked one of ``workers`` (the job's first ranks)
-        dead: a process group with a dead member would wait out ``comm.timeout_s`` for it to connect."""
-        dead = [w for w in workers if self._job_store.check([f"{DEAD_KEY}/{w}"])]
-        if dead:
-            raise PeerLost(f"{ranks_named(dead)} died (the supervisor's store said so before {what})",
-                           [self.origin.index(w) for w in dead])  # today's ranks, as every PeerLost's
 
     def _finish(self, work: Any, what: str) -> None:
         """Wait for ``work``; under the supervisor, give up as soon as the store says a peer is gone.
