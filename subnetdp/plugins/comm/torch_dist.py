@@ -360,7 +360,13 @@ class TorchDistCommunicator(Communicator):
         origin = self._origin or tuple(range(self.world_size))
         generation = (self._membership.generation if self._membership else 0) + 1
         if not wait_or_regroup(work, self._job_store, origin, generation):
-            dead = [r for r, w in enumerate(origin) if self._job_store.check([f"{DEAD_KEY}/{w}"])]  # today's ranks
+            # Woken by another survivor's registration, the supervisor's mark may be a reap (20 ms) behind.
+            deadline = time.monotonic() + 0.5
+            while True:
+                dead = [r for r, w in enumerate(origin) if self._job_store.check([f"{DEAD_KEY}/{w}"])]  # today's ranks
+                if dead or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
             who = f"{ranks_named([origin[r] for r in dead])} died" if dead else "a peer is gone"
             raise PeerLost(f"{who} (the supervisor's store said so during {what})", dead)
 
