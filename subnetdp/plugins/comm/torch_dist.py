@@ -232,10 +232,10 @@ class TorchDistCommunicator(Communicator):
         if self._membership is not None:
             # After a re-formation only the group's members make it (named by the job's first ranks).
             # collective: every member of the group reaches this.
-            if self._origin[self.rank] in [self._origin[r] for r in key]:
-                gather_members(self._job_store, self._membership, [self._origin[r] for r in key],
-                               self.cfg.timeout_s, "forming an owner group")
-            pg = form_group(self._job_store, self._membership, [self._origin[r] for r in key], self.cfg.timeout_s)
+            workers = [self._origin[r] for r in key]
+            if self.rank in key:  # a dead member ends the wait at once, not at gloo's rendezvous timeout
+                gather_members(self._job_store, self._membership, workers, self.cfg.timeout_s, "forming an owner group")
+            pg = form_group(self._job_store, self._membership, workers, self.cfg.timeout_s)
             if pg is not None:
                 self._groups[key] = pg
             return
