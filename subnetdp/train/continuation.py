@@ -19,6 +19,10 @@ step S trains the same values, bit for bit, as writing the survivors' files at S
 them. When a rule cannot hold (the survivors stand one step apart, a unit lost every owner, local steps,
 FSDP shards, re-drawn plans, backward masking), the survivors take today's path: they write their
 files and leave, and a restart resumes from them.
+
+Everything that crosses the network happens before the state changes (:func:`_reform`): another death
+amid the re-formation leaves every survivor at the step they all finished, and they agree again
+without it (docs/inprocess.md, "A second death during the re-formation").
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from subnetdp.core.errors import PeerLost, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.sdp.pieces import LocalIndex, global_items
 from subnetdp.sdp.variants import regime_of
+from subnetdp.train import faults
 from subnetdp.train.checkpoints import units
 from subnetdp.train.stateful import local_names
 
@@ -244,46 +249,102 @@ def held_pieces(state: "TrainState", rank: int, plan: MaskPlan) -> tuple[dict, d
     pieces = units.pieces_to_write(rank, state.partition, plan, index, {}, optim_state, per_owner=True)
     return pieces, units.buffers_to_write(rank, state.partition, plan, index)
 
-def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: PeerLost) -> Optional[Continued]:
-    """Re-form the world without the lost ranks and re-plan the state in it; None when the survivors must
-    take today's path instead (one line says why). Collective among the survivors."""
+class _CannotGoOn(Exception):
+    """The survivors agreed, but cannot go on in-process (the message says why): today's path."""
+
+
+def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, ...]) -> tuple[Any, ...]:
+    """Every network part of going on, before the state changes: the agreement and the world
+    (``comm.regroup``), the owner groups of the new plan, and the heal's broadcasts. A death amid them
+    leaves this survivor's state as it was at ``last``, so the survivors can agree again without the
+    dead (the same discipline as a join's ``rejoin._meet``). Collective among the survivors.
+
+    Returns ``(membership, before, after, source)``. Raises :class:`_CannotGoOn` when the survivors
+    agreed but cannot go on, :class:`SubnetdpError` when this survivor was left out, and
+    :class:`PeerLost` or ``RuntimeError`` when another member was lost on the way.
+    """
+    comm, cfg, worker = ctx.comm, ctx.cfg, origin[ctx.comm.rank]
+    faults.reform_fault(last, worker, "agree", ctx.run_dir)  # test-only
+    m = comm.regroup(last)  # collective: every survivor agrees on the members and the step
+    if not m.consistent:
+        raise _CannotGoOn(f"the survivors finished different steps {dict(zip(m.members, m.last_steps))} "
+                          "(a death inside the step's last collective)")
+    try:
+        ranks = [origin.index(i) for i in m.members]  # the members as ranks of the plan as it stands
+        before = state.plan.without(ranks)
+        after = state.plan.without(ranks, cfg.masker.min_owners)
+    except (SubnetdpError, ValueError) as e:
+        raise _CannotGoOn(str(e)) from None
+    # collective: the survivors prove they stand on the same plan. They can differ only when a death ended
+    # the last re-formation after some of them had finished it and re-planned: going on from two plans
+    # would pair pieces that do not match.
+    plans = comm.all_gather_object(before.digest())
+    if len(set(plans)) != 1:
+        raise _CannotGoOn(f"the survivors hold different plans ({dict(zip(m.members, plans))}: a death ended "
+                          "the last re-formation after some of them had re-planned)")
+    faults.reform_fault(last, worker, "groups", ctx.run_dir)  # test-only
+    for group in sorted(after.owner_sets()):
+        comm.new_group(group)  # collective: every member of the group (the re-plan finds them made)
+    faults.reform_fault(last, worker, "heal", ctx.run_dir)  # test-only
+    # Views of the old model and optimizer, alive until the new model is filled.
+    source = SurvivorsPieces(LiveReader(m.rank, *held_pieces(state, m.rank, before)), before, last, state)
+    source.fetch(state, after)  # collective: the broadcasts of every piece that gains an owner
+    return m, before, after, source
+
+
+def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: PeerLost) -> Continued | PeerLost:
+    """Re-form the world without the lost ranks and re-plan the state in it, or (one line says why) the
+    error to take today's path with. Collective among the survivors.
+
+    Another death amid the re-formation (the agreement, the world, the owner groups, the heal's
+    broadcasts) finds the state unchanged (:func:`_reform` changes nothing): the survivors agree again,
+    a new generation without the dead, and go on when every unit still has an owner. Returned errors
+    name the ranks the state's plan knows dead (none after a second death: who it was is not known in
+    the plan's numbering, so every survivor keeps every piece it holds)."""
     start = time.monotonic()
     reason = why_not(ctx, state, ckpt)
     if reason is not None:
         if getattr(ctx.comm, "can_regroup", False):
             print(f"subnetdp: rank {ctx.rank}: not going on in-process: {reason}", flush=True)
-        return None
-    comm, cfg = ctx.comm, ctx.cfg
+        return lost
+    comm = ctx.comm
     last, ended = ckpt.rewind()  # the step every survivor finished here, its buffers as it ended
     position = ended[0] if ended is not None else ckpt.loader.state_dict()
     old_world, old_rank = comm.world_size, comm.rank
     origin = tuple(getattr(comm, "origin", range(old_world)))  # worker ids of today's ranks (a replacement's is new)
-    try:
-        m = comm.regroup(last)  # collective: every survivor agrees on the members and the step
-    except (SubnetdpError, RuntimeError) as e:
-        print(f"subnetdp: rank {old_rank}: not going on in-process: the survivors did not re-form ({e})", flush=True)
-        return None
-    if not m.consistent:
-        print(f"subnetdp: rank {old_rank}: not going on in-process: the survivors finished different steps "
-              f"{dict(zip(m.members, m.last_steps))} (a death inside the step's last collective)", flush=True)
-        return None
-    try:
-        ranks = [origin.index(i) for i in m.members]  # the members as ranks of the plan as it stands
-        before = state.plan.without(ranks)
-        after = state.plan.without(ranks, cfg.masker.min_owners)
-    except SubnetdpError as e:
-        print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)
-        return None
+    leave_with, tries = lost, []
+    # Each failed re-formation leaves at least the dead out of the next: at most one try per member.
+    for _ in range(old_world - 1):
+        try:
+            m, before, after, source = _reform(ctx, state, last, origin)
+            break
+        except _CannotGoOn as e:
+            print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)
+            return leave_with
+        except PeerLost as e:  # before SubnetdpError: a PeerLost is one
+            tries.append(e)
+        except SubnetdpError as e:  # left out by the agreement (it stalled), or no supervisor's store
+            print(f"subnetdp: rank {old_rank}: not going on in-process: the survivors did not re-form ({e})",
+                  flush=True)
+            return leave_with
+        except RuntimeError as e:  # a process group that did not form: a member gone meanwhile
+            tries.append(e)
+        print(f"subnetdp: rank {old_rank}: another worker was lost while the survivors re-formed the world to go on "
+              f"from step {last} ({tries[-1]}); the survivors agree again without it (re-formation "
+              f"{len(tries) + 1})", flush=True)
+        leave_with = PeerLost(f"{lost}, then another worker during the re-formation ({tries[-1]})")
+    else:
+        print(f"subnetdp: rank {old_rank}: not going on in-process: {len(tries)} re-formations failed", flush=True)
+        return leave_with
     new_ctx = dataclasses.replace(ctx, env=comm.env)
-    # Views of the old model and optimizer, alive until the new model is filled.
-    source = SurvivorsPieces(LiveReader(m.rank, *held_pieces(state, m.rank, before)), before, last, state)
-    state.regroup(new_ctx, before, after, source)  # collective: the new owner groups, the pieces gained
+    state.regroup(new_ctx, before, after, source)  # no network left: the groups are made, the pieces here
     seconds = time.monotonic() - start
     if m.rank == 0:
+        again = f", after {len(tries)} re-formation(s) that lost another worker" if tries else ""
         print(f"subnetdp: {lost}; the {m.world_size} survivors (old ranks {list(m.members)}) go on in-process "
               f"from step {last}: {source.gained} piece(s) gained an owner over the network "
               f"({comm.bytes.total('heal') / 2**20:.2f} MiB of values, optimizer state and buffers broadcast), "
-              f"re-formed in {seconds:.2f} s",
+              f"re-formed in {seconds:.2f} s{again}",
               flush=True)
     return Continued(new_ctx, last, dict(position), old_world, m.members, seconds, source.gained)
 

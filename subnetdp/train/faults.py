@@ -9,6 +9,13 @@ production run pays one ``os.environ.get`` per point. The names are part of what
 - :data:`KILL_IN_PRUNE`: rank 0, amid the removal of an old checkpoint.
 - :data:`KILL_IN_SYNC` / :data:`KILL_IN_UPDATE`: inside this step's gradient averaging / right after
   its update (the training step, through :func:`step_faults`).
+- :data:`KILL_IN_OPTIMIZER`: inside this step's ``optimizer.step()``, half of the rank's parameters
+  updated and the rest not (:func:`step_faults`, ``where="optimizer"``).
+- :data:`KILL_IN_REFORM` (``STEP:RANK[:WHERE]``): a second death while the survivors of a first one
+  re-form the world to go on from STEP (``train/continuation.py``): the job's first rank RANK (its
+  worker id, whatever its rank of now) dies at WHERE, ``agree`` (before it registers), ``groups`` (the
+  world formed, before the owner groups) or ``heal`` (the owner groups formed, before the heal's
+  broadcasts; the default). :data:`KILL_RANK` does not apply: the first death's rank is another.
 - :data:`KILL_IN_JOIN`: amid a join's heal after this step, the owner groups made, before the broadcasts
   (``train/rejoin.py``; the newcomer fills the dead rank's place, so ``KILL_RANK`` names it too).
 - :data:`AWAIT_JOIN`: the members wait at this step's boundary until a replacement announced itself.
@@ -42,6 +49,8 @@ KILL_IN_PRUNE = "SUBNETDP_TEST_KILL_IN_CHECKPOINT_PRUNE"  # test-only: SIGKILL r
 KILL_IN_SYNC = "SUBNETDP_TEST_KILL_IN_SYNC"  # test-only: SIGKILL a rank inside this step's gradient averaging
 KILL_IN_UPDATE = "SUBNETDP_TEST_KILL_IN_UPDATE"  # test-only: SIGKILL a rank right after this step's update
 KILL_IN_JOIN = "SUBNETDP_TEST_KILL_IN_JOIN"  # test-only: SIGKILL a rank amid a join's heal (the join's step)
+KILL_IN_OPTIMIZER = "SUBNETDP_TEST_KILL_IN_OPTIMIZER"  # test-only: SIGKILL a rank amid this step's optimizer update
+KILL_IN_REFORM = "SUBNETDP_TEST_KILL_IN_REFORM"  # test-only: STEP:RANK[:WHERE], a second death amid a re-formation
 KILL_RANK = "SUBNETDP_TEST_KILL_RANK"  # which ranks these hooks kill: "1" (the default) or "1,2" (at once)
 KILL_SIGNAL = "SUBNETDP_TEST_KILL_SIGNAL"  # KILL (the default), or STOP: the rank stalls instead of dying
 NO_SPACE_IN_ASSEMBLY = "SUBNETDP_TEST_NO_SPACE_IN_ASSEMBLY"  # test-only: ENOSPC while building a recovered step
@@ -72,13 +81,58 @@ def fault_marker(marker_dir: Path, name: str, step: int, rank: int) -> Path:
     return Path(marker_dir) / f".{name.lower()}-{step}.rank{rank}"
 
 
-def step_faults(rank: int, marker_dir: Path) -> Callable[[str, int], None] | None:
-    """Test-only: the training step's fault injection (``where``: ``sync`` or ``update``), or None
-    when neither :data:`KILL_IN_SYNC` nor :data:`KILL_IN_UPDATE` is set (the usual case)."""
-    names = {"sync": KILL_IN_SYNC, "update": KILL_IN_UPDATE}
+def step_faults(rank: int, marker_dir: Path) -> Callable[..., None] | None:
+    """Test-only: the training step's fault injection (``where``: ``sync``, ``optimizer``, called with the
+    optimizer just before its step, or ``update``), or None when none of :data:`KILL_IN_SYNC`,
+    :data:`KILL_IN_OPTIMIZER` and :data:`KILL_IN_UPDATE` is set (the usual case)."""
+    names = {"sync": KILL_IN_SYNC, "update": KILL_IN_UPDATE, "optimizer": KILL_IN_OPTIMIZER}
     if not any(os.environ.get(n) for n in names.values()):
         return None
-    return lambda where, step: fault_point(names[where], step, rank, marker_dir)
+
+    def fault(where: str, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if where == "optimizer":
+            if optimizer is not None:
+                kill_amid_update(optimizer, step, rank, marker_dir)
+            return
+        fault_point(names[where], step, rank, marker_dir)
+
+    return fault
+
+
+def kill_amid_update(optimizer: torch.optim.Optimizer, step: int, rank: int, marker_dir: Path) -> None:
+    """When :data:`KILL_IN_OPTIMIZER` is due for this rank at ``step``: arm the optimizer so that its next
+    ``step()`` updates the first half of the parameters that have gradients and is SIGKILLed inside the
+    call, the second half untouched (a death in the middle of an update: the rank's tensors are of two
+    steps at once). The real optimizer does the updating: the second half's gradients are hidden, which
+    every torch optimizer skips."""
+    if os.environ.get(KILL_IN_OPTIMIZER) != str(step) or str(rank) not in os.environ.get(KILL_RANK, "1").split(","):
+        return
+    if fault_marker(marker_dir, KILL_IN_OPTIMIZER, step, rank).exists():
+        return
+
+    def hide_half(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        for p in params[len(params) // 2:]:
+            p.grad = None
+
+    optimizer.register_step_pre_hook(hide_half)
+    # Post-hooks run inside optimizer.step(), after the (half) update.
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: fault_point(KILL_IN_OPTIMIZER, step, rank, marker_dir))
+
+
+def reform_fault(step: int, worker: int, where: str, marker_dir: Path) -> None:
+    """Test-only: SIGKILL the job's first rank ``worker`` at ``where`` of the re-formation that goes on
+    from ``step``, when :data:`KILL_IN_REFORM` asks for it (once per run directory, like the others)."""
+    asked = os.environ.get(KILL_IN_REFORM)
+    if not asked:
+        return
+    at, who, *place = asked.split(":")
+    if int(at) != step or int(who) != worker or (place[0] if place else "heal") != where:
+        return
+    marker = fault_marker(marker_dir, KILL_IN_REFORM, step, worker)
+    if not marker.exists():
+        marker.write_text("fired\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def await_join(step: int, waiting: Callable[[], bool], timeout_s: float) -> None:

@@ -164,15 +164,16 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                                step=state.step)
             hook.subnetdp_on_run_end(context=ctx, state=state, result=result)  # the reporter writes summary.json first
         except PeerLost as lost:
-            # collective among the survivors: under the supervisor they re-form the world and go on.
-            continued = None if isinstance(lost, JoinFailed) else go_on(ctx, state, ckpt, lost)  # a failed join: restart path
-            if continued is not None:
-                raise WentOn(continued, ckpt, list(reporter.losses), full) from None
+            # collective among the survivors: under the supervisor they re-form the world and go on (again
+            # without a second dead, when one dies amid the re-formation); else the error to leave with.
+            outcome = lost if isinstance(lost, JoinFailed) else go_on(ctx, state, ckpt, lost)  # a failed join: restart path
+            if not isinstance(outcome, PeerLost):
+                raise WentOn(outcome, ckpt, list(reporter.losses), full) from None
             if stopper is not None:
                 stopper.leaving()  # the agent's SIGTERM that follows a death asks for nothing more
             # A peer died or stopped answering: keep this rank's units as of its last finished step
             # (no collective), so a restart resumes there rather than at the newest checkpoint.
-            raise ckpt.survive(lost) from lost
+            raise ckpt.survive(outcome) from lost
     return result
 
 

@@ -68,8 +68,9 @@ class StepContext:
         autocast: the forward's autocast context.
         device: where the loss is summed.
         last_step: the run's last step (``train.steps``): local steps synchronise there whatever the cycle.
-        fault: test-only: called with ``"sync"`` before the averaging completes and ``"update"``
-            after the update (real kills at those moments); None in every real run.
+        fault: test-only: called with ``"sync"`` before the averaging completes, ``"optimizer"`` (and
+            the optimizer) just before the update, and ``"update"`` after it (real kills at those
+            moments, ``"optimizer"``'s amid the update); None in every real run.
         averaged_in_backward: the model trains through :class:`~subnetdp.parallel.wrapper.SubnetworkParallel`,
             whose end-of-backward callback finishes the averaging (and fires the ``"sync"`` fault), as in
             a user's loop; the step's own ``sync.finish()`` then does nothing.
@@ -87,7 +88,7 @@ class StepContext:
     autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     device: torch.device | None = None
     last_step: int = 0
-    fault: Callable[[str, int], None] | None = None  # test-only fault injection (``sync``, ``update``)
+    fault: Callable[..., None] | None = None  # test-only fault injection (``sync``, ``optimizer``, ``update``)
     averaged_in_backward: bool = False
 
 
@@ -141,6 +142,8 @@ def train_step(ctx: StepContext, batches: Iterator[Any], *, step: int, need_norm
     finite, norm = checked.finite, checked.norm
     if finite:
         guard.clip(sync, norm, ctx.clip)
+        if ctx.fault is not None:
+            ctx.fault("optimizer", step, ctx.optimizer)  # test-only: a kill amid the update that follows
         ctx.optimizer.step()
     if ctx.fault is not None:
         ctx.fault("update", step)

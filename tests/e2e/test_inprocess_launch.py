@@ -98,3 +98,36 @@ def test_continue_refuses_restarts_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert "launch.on_failure='continue': restarts nobody" in proc.stderr and "launch.max_restarts=1" in proc.stderr
     assert "Traceback" not in proc.stderr and "starting 2 local workers" not in proc.stdout
+
+
+def test_a_second_death_amid_the_re_formation_leaves_the_survivors_to_agree_again(tmp_path):
+    # Rank 1 is SIGKILLed inside step 3's optimizer update (half of its tensors updated): the survivors
+    # finished step 3 (its last world collective is behind them) and re-form without it. Rank 3 is then
+    # SIGKILLed amid that re-formation, its owner groups formed and the heal's broadcasts not begun. The
+    # state of the survivors has not changed yet: they agree again, a second generation without rank 3,
+    # and go on at W-2 = 2 (ranks 0 and 2 own every unit between them at C = 0.5: owner pairs {0, 1} and
+    # {2, 3}). The owners compare digests after every step, so a heal from a half-updated or mixed state
+    # would stop the run.
+    kill = {faults.KILL_IN_OPTIMIZER: "3", faults.KILL_RANK: "1", faults.KILL_IN_REFORM: "3:3:heal"}
+    proc = _run(tmp_path, "twice", "masker.min_owners=2", "recovery.verify_every=1", "launch.nproc=4",
+                "launch.on_failure=continue", "train.log_every=1", "comm.timeout_s=20", env=kill)
+    console = proc.stdout + proc.stderr
+    run = tmp_path / "twice"
+    assert proc.returncode == 0, console[-4000:]
+    assert faults.fault_marker(run, faults.KILL_IN_OPTIMIZER, 3, 1).exists()  # both SIGKILLs happened
+    assert faults.fault_marker(run, faults.KILL_IN_REFORM, 3, 3).exists()
+    # Each survivor names the second death in one line; rank 0 says who went on, from which step.
+    for rank in (0, 2):
+        again = [ln for ln in console.splitlines()
+                 if ln.startswith(f"subnetdp: rank {rank}: another worker was lost while the survivors re-formed "
+                                  "the world to go on from step 3")]
+        assert len(again) == 1 and "rank 3 died" in again[0], console[-4000:]
+    went = re.search(r"the 2 survivors \(old ranks \[0, 2\]\) go on in-process from step 3: (\d+) piece\(s\) gained",
+                     console)
+    assert went and int(went.group(1)) > 0, console[-4000:]
+    assert "not going on in-process" not in console and "owners disagree" not in console, console[-4000:]
+    steps = _steps(run)
+    # No step logged twice and the run ended; step 3's row is step 4's (its loss carried: the death came
+    # before step 3's row, docs/inprocess.md "Logging").
+    assert steps == [1, 2, 4, 5, 6], steps
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from subnetdp.train.checkpoints import files as ck
 from subnetdp.core.contracts import LaunchEnv
@@ -91,9 +92,10 @@ def test_every_kill_point_lives_in_one_module_and_fires_only_where_asked(tmp_pat
     from subnetdp.train import faults
 
     names = [n for n in dir(faults) if n.startswith(("KILL_", "NO_SPACE"))]
-    assert len(names) == 9 and all(getattr(faults, n).startswith("SUBNETDP_TEST_") for n in names)
-    # the old spelling ck.* keeps working (KILL_IN_JOIN, a join's, came after the move)
-    assert all(getattr(ck, n) == getattr(faults, n) for n in names if n != "KILL_IN_JOIN")
+    assert len(names) == 11 and all(getattr(faults, n).startswith("SUBNETDP_TEST_") for n in names)
+    # the old spelling ck.* keeps working (a join's and a re-formation's points came after the move)
+    assert all(getattr(ck, n) == getattr(faults, n) for n in names
+               if n not in ("KILL_IN_JOIN", "KILL_IN_OPTIMIZER", "KILL_IN_REFORM"))
     # The run state takes its fault hooks from the faults module, not from the checkpoint files.
     tree = ast.parse(Path(state_mod.__file__).read_text())
     froms = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
@@ -113,3 +115,41 @@ def test_every_kill_point_lives_in_one_module_and_fires_only_where_asked(tmp_pat
     assert hook is not None
     hook("update", 3)  # rank 1 is not listed: this process survives and leaves no marker
     assert not faults.fault_marker(tmp_path, faults.KILL_IN_UPDATE, 3, 1).exists()
+
+
+def test_a_kill_amid_the_update_leaves_half_the_tensors_updated_and_a_reform_kill_fires_only_where_asked(tmp_path,
+                                                                                                       monkeypatch):
+    """The signal is recorded instead of sent: the optimizer's own step updates the first half of the
+    parameters, then the kill comes from inside ``optimizer.step()``; the second half is untouched."""
+    import signal
+
+    from subnetdp.train import faults
+
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+    opt = torch.optim.SGD(params, lr=0.5)
+    monkeypatch.setenv(faults.KILL_IN_OPTIMIZER, "3")
+    monkeypatch.setenv(faults.KILL_RANK, "1")
+    hook = faults.step_faults(1, tmp_path)
+    for where, step in (("optimizer", 2), ("update", 3), ("sync", 3)):
+        hook(where, step, opt)  # another step, or another point: nothing armed, nothing sent
+    faults.step_faults(0, tmp_path)("optimizer", 3, opt)  # rank 0 is not listed
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.step()
+    assert not sent and all(torch.equal(p, torch.full((3,), 0.5)) for p in params)
+    hook("optimizer", 3, opt)
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.step()
+    assert sent == [signal.SIGKILL] and faults.fault_marker(tmp_path, faults.KILL_IN_OPTIMIZER, 3, 1).exists()
+    assert [p.detach()[0].item() for p in params] == [0.0, 0.0, 0.5, 0.5]  # half updated when the kill came
+
+    monkeypatch.setenv(faults.KILL_IN_REFORM, "3:2:groups")
+    for step, worker, where in ((2, 2, "groups"), (3, 1, "groups"), (3, 2, "heal"), (3, 2, "agree")):
+        faults.reform_fault(step, worker, where, tmp_path)
+    assert sent == [signal.SIGKILL]
+    faults.reform_fault(3, 2, "groups", tmp_path)
+    faults.reform_fault(3, 2, "groups", tmp_path)  # once per run directory
+    assert sent == [signal.SIGKILL] * 2 and faults.fault_marker(tmp_path, faults.KILL_IN_REFORM, 3, 2).exists()

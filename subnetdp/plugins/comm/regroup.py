@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from subnetdp import SubnetdpError
+from subnetdp import PeerLost, SubnetdpError
 
 REGROUP_KEY = "subnetdp/regroup"  # + /<generation>/...: one set of keys per re-formation
 #: + /<old rank>: written by the supervisor when it reaps a worker (``launchers/supervisor.py``, the
@@ -145,6 +145,36 @@ def form_group(store: Any, membership: Membership, owners_old: Sequence[int], ti
     pg_store = dist.PrefixStore(f"{membership.prefix}/group/{key}", store)
     return dist.ProcessGroupGloo(pg_store, alive.index(membership.old_rank), len(alive),
                                  datetime.timedelta(seconds=timeout_s))
+
+
+def _named(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def gather_members(store: Any, membership: Membership, workers: Sequence[int], timeout_s: float, what: str,
+                   poll_s: float = 0.005) -> None:
+    """Before a process group of ``workers`` (old ranks) forms: every member checks in at the store and
+    waits for the others, and a member the supervisor marks dead meanwhile ends the wait at once
+    (:class:`PeerLost`, its ``lost`` in the membership's ranks), where gloo's own rendezvous would wait
+    ``timeout_s`` for it (measured: 20 s of a 20 s timeout, a second death before the owner groups).
+    A member that never comes (it stalled) ends it at ``timeout_s``.
+    # collective: every member of ``workers`` reaches this.
+    """
+    key = f"{membership.prefix}/here/{'-'.join(map(str, workers))}"
+    store.set(f"{key}/{membership.old_rank}", "1")
+    waiting, deadline = [w for w in workers if w != membership.old_rank], time.monotonic() + timeout_s
+    while True:
+        dead = [w for w in workers if store.check([f"{DEAD_KEY}/{w}"])]
+        if dead:
+            raise PeerLost(f"{_named(dead)} died (the supervisor's store said so before {what})",
+                           [membership.members.index(w) for w in dead])
+        waiting = [w for w in waiting if not store.check([f"{key}/{w}"])]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise PeerLost(f"{_named(waiting)} did not come to {what} within {timeout_s:g} s",
+                           [membership.members.index(w) for w in waiting])
+        time.sleep(poll_s)
 
 
 JOIN_KEY = "subnetdp/join"  # /next: the replacement waiting; /<id>/decided: the step it joins at; /closed: the job ended

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
 from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, Membership, agree, announce, await_join, form_group,
-                                           form_world, join_decision, joined_membership, release, wait_or_regroup)
+                                           form_world, gather_members, join_decision, joined_membership, release,
+                                           wait_or_regroup)
 
 #: Set by the supervisor (``launchers/supervisor.py``) in every worker it starts: the launcher's
 #: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
@@ -231,7 +232,10 @@ class TorchDistCommunicator(Communicator):
         if self._membership is not None:
             # After a re-formation only the group's members make it (named by the job's first ranks).
             # collective: every member of the group reaches this.
-            pg = form_group(self._job_store, self._membership, [self._origin[r] for r in key], self.cfg.timeout_s)
+            workers = [self._origin[r] for r in key]
+            if self.rank in key:  # a dead member ends the wait at once, not at gloo's rendezvous timeout
+                gather_members(self._job_store, self._membership, workers, self.cfg.timeout_s, "forming an owner group")
+            pg = form_group(self._job_store, self._membership, workers, self.cfg.timeout_s)
             if pg is not None:
                 self._groups[key] = pg
             return
@@ -335,10 +339,12 @@ class TorchDistCommunicator(Communicator):
         generation = (self._membership.generation if self._membership else 0) + 1
         timeout = self.cfg.timeout_s
         m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
-        world = form_world(self._job_store, m, timeout)
+        # From the agreement on, this is the membership: when a member dies before the world forms, the
+        # next re-formation is the next generation, among these members (the agreed keys are never reused).
         self._membership, self._origin = m, m.members
         self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
-        self._groups = {self.world: world}
+        gather_members(self._job_store, m, m.members, timeout, f"forming the world of re-formation {generation}")
+        self._groups = {self.world: form_world(self._job_store, m, timeout)}
         return m
 
     def _finish(self, work: Any, what: str) -> None:
@@ -354,8 +360,14 @@ class TorchDistCommunicator(Communicator):
         origin = self._origin or tuple(range(self.world_size))
         generation = (self._membership.generation if self._membership else 0) + 1
         if not wait_or_regroup(work, self._job_store, origin, generation):
-            dead = [r for r in origin if self._job_store.check([f"{DEAD_KEY}/{r}"])]
-            who = f"{ranks_named(dead)} died" if dead else "a peer is gone"
+            # Woken by another survivor's registration, the supervisor's mark may be a reap (20 ms) behind.
+            deadline = time.monotonic() + 0.5
+            while True:
+                dead = [r for r, w in enumerate(origin) if self._job_store.check([f"{DEAD_KEY}/{w}"])]  # today's ranks
+                if dead or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+            who = f"{ranks_named([origin[r] for r in dead])} died" if dead else "a peer is gone"
             raise PeerLost(f"{who} (the supervisor's store said so during {what})", dead)
 
     def _guarded(self, what: str, group: Sequence[int] | None, call: Any) -> Any:
@@ -371,21 +383,26 @@ class TorchDistCommunicator(Communicator):
             if not timeout and not _is_peer_gone(e):
                 raise
             members = tuple(range(self.world_size)) if group is None else tuple(group)
+            # The store's keys and the messages name the job's first ranks (the same across re-formations);
+            # the error's ``lost`` is in today's numbering, the one the state's plan is in.
+            ids = self.origin
+            job, me = tuple(ids[r] for r in members), ids[self.rank]
             self._stalls += 1
             dead: list[int] = []
             try:
                 store = dist.distributed_c10d._get_default_store()
-                store.set(f"{LEFT_KEY}/{self.rank}", "peer lost")  # before anyone can see this rank exit
+                store.set(f"{LEFT_KEY}/{me}", "peer lost")  # before anyone can see this rank exit
                 grace = max(2.0, min(10.0, self.cfg.timeout_s / 10))
                 if timeout:
-                    silent = stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}", grace)
+                    silent = stalled_peers(store, me, job, f"subnetdp/stall/{self._stalls}", grace)
                 else:  # a connection closed: a process of this host is looked at, one elsewhere asked
-                    dead, elsewhere = dead_on_this_host(store, members, wait_s=min(grace, 2.0))
-                    silent = sorted(dead + stalled_peers(store, self.rank, members, f"subnetdp/stall/{self._stalls}",
-                                                         grace, [r for r in elsewhere if r != self.rank]))
+                    dead, elsewhere = dead_on_this_host(store, job, wait_s=min(grace, 2.0))
+                    silent = sorted(dead + stalled_peers(store, me, job, f"subnetdp/stall/{self._stalls}",
+                                                         grace, [r for r in elsewhere if r != me]))
             except Exception:  # the store went with the job (it lived in a dead rank): say what is known
                 silent = []
             names = ranks_named(silent) if silent else None
+            lost = [members[job.index(w)] for w in silent]
             # The library's own text (gloo's ends in "GLHF!") stays in the chain, for the rank's log.
             if not timeout:
                 if not silent:
@@ -394,12 +411,12 @@ class TorchDistCommunicator(Communicator):
                     who = f"{names} died"
                 else:
                     who = f"{names} {'is' if len(silent) == 1 else 'are'} gone"
-                raise PeerLost(f"{who} (the connection closed during {what} over ranks {members})", silent) from e
+                raise PeerLost(f"{who} (the connection closed during {what} over ranks {job})", lost) from e
             who = f"{names} stopped answering" if names else "a peer stopped answering (every other member timed out too)"
-            raise PeerLost(f"{who}: rank {self.rank} timed out after comm.timeout_s={self.cfg.timeout_s:g} s "
-                           f"waiting in {what} over ranks {members} — look at the log of "
+            raise PeerLost(f"{who}: rank {me} timed out after comm.timeout_s={self.cfg.timeout_s:g} s "
+                           f"waiting in {what} over ranks {job} — look at the log of "
                            f"{names or 'the slowest rank'} (a crash, a hang, or a much slower step), or raise "
-                           "comm.timeout_s", silent) from e
+                           "comm.timeout_s", lost) from e
 
     def _pg(self, group: Sequence[int] | None) -> Any:
         key = self.world if group is None else tuple(group)
@@ -437,14 +454,17 @@ class TorchDistCommunicator(Communicator):
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self._membership is not None:
+        if self._membership is not None or self._job_store is not None:
+            # Re-formed groups are torch's objects alone; supervised, every wait must watch the store (a
+            # survivor two hops from a dead rank in torch's blocking gather would wait out comm.timeout_s
+            # and miss the survivors' agreement: measured, a death inside the optimizer update left one out).
             return self._gather_pickled(obj)
         out: list[Any] = [None] * self.world_size
         self._guarded("all_gather_object", None, lambda: dist.all_gather_object(out, obj))
         return out
 
     def _gather_pickled(self, obj: Any) -> list[Any]:
-        """``all_gather_object`` over a re-formed world: the lengths first, then the padded bytes."""
+        """``all_gather_object`` through two watched all-reduces: the lengths first, then the padded bytes."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = torch.zeros(self.world_size, dtype=torch.int64)
         sizes[self.rank] = data.numel()
@@ -455,7 +475,7 @@ class TorchDistCommunicator(Communicator):
         return [pickle.loads(buf[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
 
     def barrier(self) -> None:
-        if self._membership is not None:
+        if self._membership is not None or self._job_store is not None:  # watched, as all_gather_object
             self.all_reduce(torch.zeros(1), self.world)  # collective: every rank of the world
             return
         self._guarded("barrier", None, dist.barrier)
