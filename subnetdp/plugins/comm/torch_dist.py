@@ -14,7 +14,7 @@ import pickle
 import re
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,6 +185,7 @@ class TorchDistCommunicator(Communicator):
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
         self._joined: dict | None = None  # a replacement: the decision it joined under
+        self._arriving: Membership | None = None  # a replacement until it forms the world with the members
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
@@ -226,7 +227,7 @@ class TorchDistCommunicator(Communicator):
 
     def new_group(self, ranks: Sequence[int]) -> None:
         key = tuple(sorted(ranks))
-        if key in self._groups:
+        if key in self._groups or self._arriving is not None:  # a replacement makes its groups once arrived
             return
         if self._membership is not None:
             # After a re-formation only the group's members make it (named by the job's first ranks).
@@ -252,7 +253,17 @@ class TorchDistCommunicator(Communicator):
             raise SubnetdpError(f"rank {self.rank} (a replacement) did not join: the job ended before the members "
                                 "reached a step boundary it could join at")
         self._joined = decided
-        self._become(joined_membership(decided, me), timeout)
+        # The world is formed at arrive(), once this process has built all it can alone (its model, its
+        # optimizer): the members wait for it there, so nothing it does alone is in their pause.
+        self._arriving = joined_membership(decided, me)
+
+    def arrive(self) -> None:
+        """A replacement: form the world of W with the members at the join step. Owner groups asked for
+        before it (:meth:`new_group`) are made afterwards, in the members' order, by the join itself.
+        # collective: every member (in :meth:`grow`) and the newcomer reach this."""
+        m, self._arriving = self._arriving, None
+        if m is not None:
+            self._become(m, self.cfg.timeout_s)
 
     def _retire(self) -> None:
         """Abort the groups of today's world and let them go off the critical path: a re-formed group is
@@ -435,6 +446,29 @@ class TorchDistCommunicator(Communicator):
             self._guarded("broadcast", group, lambda: pg.broadcast([tensor], opts).wait())
             return
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
+
+    def send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """Point to point over the world: ``sends[r]`` to rank ``r``, ``recvs[r]`` filled from rank ``r``,
+        every one posted before any is waited for, so no order of the pairs can block. Each pair's
+        receiver names a tensor of the size its sender sends; only the ranks of a pair take part. The
+        heal of a re-formation (``train/continuation.py``) moves each piece only to the ranks that gain it."""
+        # collective: every rank named in a pair (its sender and its receiver) reaches this.
+        pg, works = self._pg(None), []
+        for dst, tensor in sends.items():
+            self.bytes.add(self.world, tensor.numel() * tensor.element_size())  # what this rank hands over
+            if self._membership is not None:  # a re-formed world is torch's object alone: its own methods
+                works.append(self._guarded("send", None, lambda t=tensor, d=dst: pg.send([t], d, 0)))
+            else:
+                works.append(self._guarded("send", None, lambda t=tensor, d=dst: dist.isend(t, d, group=pg)))
+        for src, tensor in recvs.items():
+            if self._membership is not None:
+                works.append(self._guarded("recv", None, lambda t=tensor, r=src: pg.recv([t], r, 0)))
+            else:
+                works.append(self._guarded("recv", None, lambda t=tensor, r=src: dist.irecv(t, r, group=pg)))
+        for work in works:
+            # A point-to-point work reports completion only once waited for (gloo), so the store is not
+            # watched here: a dead peer of the pair closes the connection, a stalled one hits the timeout.
+            self._guarded("send_recv", None, work.wait)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._membership is not None:
