@@ -448,23 +448,15 @@ class TorchDistCommunicator(Communicator):
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
 
     def send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
-        """Point to point over the world: ``sends[r]`` to rank ``r``, ``recvs[r]`` filled from rank ``r``,
-        every one posted before any is waited for, so no order of the pairs can block. Each pair's
-        receiver names a tensor of the size its sender sends; only the ranks of a pair take part. The
-        heal of a re-formation (``train/continuation.py``) moves each piece only to the ranks that gain it."""
+        """Point to point over the world: ``sends[r]`` to rank ``r``, ``recvs[r]`` filled from rank ``r``, all
+        posted before any is waited for (no order of the pairs can block); each receiver names the size its
+        sender sends. The heal of a re-formation (``train/continuation.py``) sends each piece to its gainers only."""
         # collective: every rank named in a pair (its sender and its receiver) reaches this.
-        pg, works = self._pg(None), []
-        for dst, tensor in sends.items():
+        pg = self._pg(None)  # the world's own methods (world ranks), as after a re-formation
+        for tensor in sends.values():
             self.bytes.add(self.world, tensor.numel() * tensor.element_size())  # what this rank hands over
-            if self._membership is not None:  # a re-formed world is torch's object alone: its own methods
-                works.append(self._guarded("send", None, lambda t=tensor, d=dst: pg.send([t], d, 0)))
-            else:
-                works.append(self._guarded("send", None, lambda t=tensor, d=dst: dist.isend(t, d, group=pg)))
-        for src, tensor in recvs.items():
-            if self._membership is not None:
-                works.append(self._guarded("recv", None, lambda t=tensor, r=src: pg.recv([t], r, 0)))
-            else:
-                works.append(self._guarded("recv", None, lambda t=tensor, r=src: dist.irecv(t, r, group=pg)))
+        works = [self._guarded("send", None, lambda t=t, d=d: pg.send([t], d, 0)) for d, t in sends.items()]
+        works += [self._guarded("recv", None, lambda t=t, r=r: pg.recv([t], r, 0)) for r, t in recvs.items()]
         for work in works:
             # A point-to-point work reports completion only once waited for (gloo), so the store is not
             # watched here: a dead peer of the pair closes the connection, a stalled one hits the timeout.
