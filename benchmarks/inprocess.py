@@ -8,7 +8,7 @@ For ResNet-18 on digits and the 8-block LLaMA on the standard library's source, 
   TensorBoard event times): detection, agreement, re-formed groups, the heal, the re-plan and one step;
 - finished steps trained twice: the step the survivors went on from against the last one finished
   before the kill (0 when none is lost);
-- bytes moved to heal (the payload of the ``heal`` phase's broadcasts: the units that gained an owner
+- bytes moved to heal (the payload of the heal's messages, as the line prints it: the units that gained an owner
   and the buffer copies their means need);
 - the union model's loss at the end against an uninterrupted run of the same steps at 4 workers
   (quality of going on at W-1 after the death; the same seed and data).

@@ -115,6 +115,7 @@ class LiveReader:
         for name, t in pieces.items():
             self._add(name, t)
         self.copies: dict[int, dict[str, torch.Tensor]] = {rank: dict(buffers)}
+        self.moved = 0  # bytes every rank sent in the last exchange, the same figure on every rank
 
     def _add(self, name: str, tensor: torch.Tensor) -> None:
         if name not in self.pieces:
@@ -138,10 +139,13 @@ class LiveReader:
 
     def exchange(self, state: "TrainState", before: MaskPlan, after: MaskPlan, absent: Any = ()) -> int:
         """Every piece a rank gains comes from its lowest surviving owner, and every buffer copy a new
-        holder's mean needs from its owner, by broadcasts in the re-formed world in global order.
-        ``absent``: ranks of ``before`` that hold nothing yet (a newcomer): they gain the shared tensors
-        too and are nobody's source. Returns the pieces that changed hands. Collective: every member,
-        with the same plans."""
+        holder's mean needs from its owner: one message per (source, receiver) pair, the pieces it
+        carries packed in global order into one buffer (``_pack``), sent point to point. A rank that
+        gains nothing receives nothing; a source stages at most the bytes it sends (one buffer per
+        receiver); a receiver's buffer holds only what it gains, and its pieces stay views of it.
+        ``absent``: ranks of ``before`` that hold nothing yet (a newcomer): they gain the shared
+        tensors too and are nobody's source. Returns the pieces that changed hands; ``moved`` the
+        bytes sent by all ranks. Collective: every member, with the same plans."""
         comm, partition, rank, absent = state.context.comm, state.partition, self.rank, set(absent)
         sends: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
         moving = []
@@ -151,36 +155,90 @@ class LiveReader:
             if not gainers:
                 continue
             key = units.item_key(it)
-            moving.append((key, owners[0], rank in gainers))
+            moving.append((key, owners[0], sorted(gainers)))
             if rank == owners[0]:
                 sends[key] = [(n, tuple(self.pieces[n].shape), str(self.pieces[n].dtype).removeprefix("torch."))
                               for n in self.names.get(key, ())]
         table: dict[str, Any] = {}
         for part in comm.all_gather_object(sends):  # collective: what each sender's pieces hold
             table.update(part)
-        for key, src, gains in moving:
+        pieces = _Messages(rank)
+        for key, src, gainers in moving:
             for name, shape, dtype in table[key]:
-                buf = (self.pieces[name].contiguous().clone() if rank == src
-                       else torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device))
-                comm.broadcast(buf, src)  # collective: every member joins each piece that changes hands
-                if gains:
-                    self._add(name, buf)
+                for dst in gainers:
+                    pieces.add(src, dst, name, shape, getattr(torch, dtype), lambda n=name: self.pieces[n])
+        for name, t in pieces.swap(comm):  # collective: every source and every gainer
+            self._add(name, t)
+        copies = _Messages(rank)
         for it in global_items(partition, before, buffers=True):
             holders = set(after.owners(it.unit)) if it.unit is not None else set(it.owners)
             owners = [r for r in it.owners if r not in absent]
             # The mean of float buffers reads every owner's copy, an integer buffer the lowest owner's.
             sources = owners if partition.dtypes[it.name].is_floating_point else owners[:1]
+            key = units.item_key(it)
             for src in sources:
-                if holders <= {src}:
-                    continue  # only the source itself reads this copy
-                key = units.item_key(it)
-                mine = self.copies[rank].get(key) if rank == src else None
-                buf = (mine.contiguous().clone() if mine is not None
-                       else torch.empty(it.shape, dtype=partition.dtypes[it.name], device=comm.device))
-                comm.broadcast(buf, src)  # collective: every member joins each copy a mean needs
-                if rank in holders and rank != src:
-                    self.copies.setdefault(src, {})[key] = buf
+                for dst in sorted(holders - {src}):  # only a holder other than the source reads this copy
+                    copies.add(src, dst, (src, key), it.shape, partition.dtypes[it.name],
+                               lambda k=key: self.copies[rank][k])
+        for (src, key), t in copies.swap(comm):  # collective: every owner and every holder of a changed buffer
+            self.copies.setdefault(src, {})[key] = t
+        self.moved = pieces.nbytes + copies.nbytes
         return len(moving)
+
+
+_ALIGN = 64  # bytes: each packed tensor starts aligned, so a view of it in the buffer has any dtype's alignment
+
+
+def _span(shape: Any, dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * dtype.itemsize
+
+
+class _Messages:
+    """The messages of one exchange, as every rank computes them alike (same plans, same table): per
+    (source, receiver) pair, its tensors in global order. This rank packs what it sends into one buffer
+    per receiver and receives one buffer per source; the received tensors are views of it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.nbytes = rank, 0
+        self.out: dict[int, list[Any]] = {}  # receiver -> tensors to send (read when packed)
+        self.into: dict[int, list[tuple[Any, Any, torch.dtype, int]]] = {}  # source -> (tag, shape, dtype, offset)
+        self.size: dict[int, int] = {}  # source -> bytes of the buffer received from it
+
+    def add(self, src: int, dst: int, tag: Any, shape: Any, dtype: torch.dtype, read: Any) -> None:
+        span = _span(shape, dtype)
+        self.nbytes += span
+        if self.rank == src:
+            self.out.setdefault(dst, []).append(read)
+        if self.rank == dst:
+            at = self.size.get(src, 0)
+            self.into.setdefault(src, []).append((tag, tuple(shape), dtype, at))
+            self.size[src] = at + -(-span // _ALIGN) * _ALIGN
+
+    def swap(self, comm: Any) -> list[tuple[Any, torch.Tensor]]:
+        """Send and receive every message (collective: every rank in a pair); the received tensors, in order."""
+        staged = {dst: _pack([read() for read in reads], comm.device) for dst, reads in self.out.items()}
+        buffers = {src: torch.empty(n, dtype=torch.uint8, device=comm.device) for src, n in self.size.items()}
+        if staged or buffers:
+            comm.send_recv(staged, buffers)  # collective: the ranks of every pair
+        staged.clear()  # a source's staging goes before anything else is built
+        got = []
+        for src, items in sorted(self.into.items()):
+            for tag, shape, dtype, at in items:
+                got.append((tag, buffers[src][at:at + _span(shape, dtype)].view(dtype).reshape(shape)))
+        return got
+
+
+def _pack(tensors: list[torch.Tensor], device: Any) -> torch.Tensor:
+    spans = [t.numel() * t.element_size() for t in tensors]
+    flat = torch.empty(sum(-(-n // _ALIGN) * _ALIGN for n in spans), dtype=torch.uint8, device=device)
+    at = 0
+    for t, n in zip(tensors, spans):
+        flat[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        at += -(-n // _ALIGN) * _ALIGN
+    return flat
 
 
 class SurvivorsPieces:
@@ -288,7 +346,7 @@ def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, 
     faults.reform_fault(last, worker, "heal", ctx.run_dir)  # test-only
     # Views of the old model and optimizer, alive until the new model is filled.
     source = SurvivorsPieces(LiveReader(m.rank, *held_pieces(state, m.rank, before)), before, last, state)
-    source.fetch(state, after)  # collective: the broadcasts of every piece that gains an owner
+    source.fetch(state, after)  # collective: the messages carrying every piece that gains an owner
     return m, before, after, source
 
 
@@ -343,7 +401,7 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
         again = f", after {len(tries)} re-formation(s) that lost another worker" if tries else ""
         print(f"subnetdp: {lost}; the {m.world_size} survivors (old ranks {list(m.members)}) go on in-process "
               f"from step {last}: {source.gained} piece(s) gained an owner over the network "
-              f"({comm.bytes.total('heal') / 2**20:.2f} MiB of values, optimizer state and buffers broadcast), "
+              f"({source.reader.moved / 2**20:.2f} MiB of values, optimizer state and buffers sent), "
               f"re-formed in {seconds:.2f} s{again}",
               flush=True)
     return Continued(new_ctx, last, dict(position), old_world, m.members, seconds, source.gained)

@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 def warm_up(cfg: Any, rank: int, world_size: int, data: Any, adapter: Any, spec: Any, partition: Any,
             plan: MaskPlan, device: Any) -> None:
     """A replacement's one-time costs, paid before it announces itself rather than while the members
-    wait for its first step: reading the data set and a fresh process's first forward and backward
-    (2-6 s here, measured). Nothing of it is kept; the host RNGs are re-seeded at the join."""
+    wait for its first step: reading the data set, a fresh process's first forward and backward
+    (2-6 s here, measured) and the reporter's imports. Nothing of it is kept; the host RNGs are
+    re-seeded at the join."""
     import torch
+    import torch.utils.tensorboard  # noqa: F401  (the reporter's first import: 0.2 s, measured)
 
     from subnetdp.sdp.construct import empty_local
 
@@ -126,7 +128,7 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
     if m.rank == 0:
         print(f"subnetdp: a replacement joined as rank {slot} after step {step}: the world is {m.world_size} again "
               f"(the plan it had before the death); {source.gained} piece(s) sent to it over the network "
-              f"({comm.bytes.total('heal') / 2**20:.2f} MiB of values, optimizer state and buffers), "
+              f"({source.reader.moved / 2**20:.2f} MiB of values, optimizer state and buffers), "
               f"in {seconds:.2f} s", flush=True)
     return Continued(new_ctx, step, position, old_world, m.members, seconds, source.gained)
 
@@ -139,6 +141,7 @@ def join(ctx: RunContext, state: "TrainState") -> Optional[Continued]:
     decided = getattr(comm, "joined", None)
     if decided is None:
         return None
+    comm.arrive()  # collective: the world of W, with the members' grow
     slot = int(decided["slot"])
     before = with_newcomer(MaskPlan(comm.world_size - 1, decided["plan"], state.plan.num_units), slot)
     source = SurvivorsPieces(LiveReader(comm.rank, {}, {}), before, None, state, absent=(slot,))

@@ -318,6 +318,9 @@ def show_bar(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else bool(progress)
 
 
+_DRAWN: set[tuple[str, str]] = set()  # (run dir, plan digest) of each figure this process drew (0.2-0.3 s each)
+
+
 def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
     """Config, plan and plan figure into the run directory and TensorBoard (rank 0)."""
     if ctx.rank != 0:
@@ -329,8 +332,11 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
     write_json(ctx.run_dir / "plan.json", plan_dict)
     log.text("config", "```\n" + yaml + "\n```")
     names = [u.name for u in partition.units]
-    log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
-    log.image("plan/ownership_matrix", plan.as_image())
+    drawn = (str(ctx.run_dir), plan.digest())
+    if drawn not in _DRAWN:  # a join returns to the plan this run drew at its start: not again, in its pause
+        _DRAWN.add(drawn)
+        log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
+        log.image("plan/ownership_matrix", plan.as_image())
     log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
                     **({"plan/node_failures_survived": plan_dict["node_failures_survived"]} if "nodes" in plan_dict else {})})
     counts = plan.owner_counts()

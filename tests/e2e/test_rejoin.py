@@ -4,12 +4,17 @@ Real processes and a real SIGKILL under the real ``subnetdp train launch.nproc=4
 the supervisor starts a replacement, which announces itself in the job's store; the members take it
 in at a step boundary they all agree on, and it receives every piece of the W-rank plan it owns, with
 its optimizer state and buffers, from their current owners over the network (docs/inprocess.md).
+
+The reference that makes "rejoined correctly" checkable: the run's own checkpoint of the join step,
+written at W-1 before the join, resumed at W (``launch.nproc=4 resume=<it>``) on the config's plan,
+the W-rank plan the job started with. A rejoin at step J must train what that resume trains, bit for bit.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,15 +23,18 @@ from safetensors.torch import load_file
 from subnetdp.core.plan import MaskPlan
 from subnetdp.train import faults
 
-from tests.e2e.test_inprocess_launch import _run, _steps
+from tests.e2e.test_inprocess_launch import _run, _steps, _tensors
 
 
 def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     # Rank 1 is SIGKILLed inside step 3's gradient averaging: the survivors go on at W=3 from step 2, the
     # supervisor starts a replacement, the members take it in at a step boundary, and the run ends at W=4.
-    proc = _run(tmp_path, "rejoin", "train.steps=8", "optim.name=adamw", "masker.min_owners=2",
-                "recovery.verify_every=1", "launch.nproc=4", "launch.on_failure=continue", "launch.replace=1",
-                env={faults.KILL_IN_SYNC: "3", faults.AWAIT_JOIN: "4"})
+    # The members wait at the boundary after step 4 until the replacement has announced itself (it needs
+    # seconds to start, the members well under one to reach step 4), so they join it after step 5, whose
+    # checkpoint (written at W=3, before the join) is the reference's start.
+    job = ["train.steps=8", "optim.name=adamw", "masker.min_owners=2", "checkpoint.every=5"]
+    proc = _run(tmp_path, "rejoin", *job, "recovery.verify_every=1", "launch.nproc=4", "launch.on_failure=continue",
+                "launch.replace=1", env={faults.KILL_IN_SYNC: "3", faults.AWAIT_JOIN: "4"})
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     run = tmp_path / "rejoin"
@@ -34,7 +42,7 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert "old ranks [0, 2, 3]) go on in-process from step 2" in console, console[-4000:]
     joined = re.search(r"a replacement joined as rank 1 after step (\d+): the world is 4 again .*?"
                        r"(\d+) piece\(s\) sent to it over the network \(([\d.]+) MiB", console)
-    assert joined and 2 <= int(joined.group(1)) < 8, console[-4000:]
+    assert joined and int(joined.group(1)) == 5, console[-4000:]
     assert int(joined.group(2)) > 0 and float(joined.group(3)) > 0
     assert "owners disagree" not in console, console[-4000:]  # every step's digests agreed, after the join too
     steps = _steps(run)
@@ -49,6 +57,21 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert final["world_size"] == 4 and final["plan_digest"] == _plan(run / "plan.json").digest()
     newcomer = load_file(str(run / "checkpoints" / "step_00000008" / "pieces_1.safetensors"))
     assert len(newcomer) > 10 and all(torch.isfinite(t).all() for t in newcomer.values() if t.is_floating_point())
+
+    # The reference: the same job stopped at the join step (its checkpoint, written at W-1) and resumed at W.
+    at_join = run / "checkpoints" / "step_00000005"
+    assert json.loads((at_join / "MANIFEST.json").read_text())["world_size"] == 3
+    again = _run(tmp_path, "resumed", *job, "launch.nproc=4", f"resume={at_join}")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "(step 5) on a new plan" in again.stdout, again.stdout[-3000:]  # the W=3 checkpoint, re-planned at W
+    resumed = json.loads((tmp_path / "resumed" / "checkpoints" / "step_00000008" / "MANIFEST.json").read_text())
+    assert resumed["plan_digest"] == final["plan_digest"]  # the W-rank plan: the config's, as the join's
+    shutil.rmtree(at_join)  # the test's files stay small: only the two final checkpoints are compared
+    a = _tensors(run / "checkpoints" / "step_00000008")
+    b = _tensors(tmp_path / "resumed" / "checkpoints" / "step_00000008")
+    assert a.keys() == b.keys() and len(a) > 100
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ[:5]  # values, optimizer state (AdamW's moments and step) and buffers
 
 
 def _plan(path: Path) -> MaskPlan:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from subnetdp.plugins.comm.torch_dist import arrival_error
+from subnetdp.plugins.comm.peers import arrival_error
 
 
 def _comm(rank: int) -> SimpleNamespace:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from subnetdp.plugins.comm.torch_dist import round_prefix
+from subnetdp.plugins.comm.peers import round_prefix
 
 
 def test_round_prefix_is_agreed_when_only_one_agent_restarted(monkeypatch):

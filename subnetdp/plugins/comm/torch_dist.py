@@ -11,16 +11,17 @@ import dataclasses
 import datetime
 import os
 import pickle
-import re
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
+from subnetdp.plugins.comm.peers import (HOST_KEY, LEFT_KEY, is_peer_gone, is_timeout, arrival_error,
+                                         dead_on_this_host, ranks_named, round_prefix, stalled_peers)
 from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, Membership, agree, announce, await_join, form_group,
                                            form_world, gather_members, join_decision, joined_membership, release,
                                            wait_or_regroup)
@@ -46,132 +47,6 @@ class WorkHandle(Handle):
                 self.comm._guarded("all_reduce", self.group, lambda: self.comm._finish(self.work, "all_reduce"))
 
 
-def _is_timeout(error: BaseException) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text or "deadline" in text
-
-
-#: What gloo, NCCL and the TCP store say when the process at the other end is gone (killed, crashed).
-PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-             "socket closed", "end of file", "remote process exited")
-
-
-def _is_peer_gone(error: BaseException) -> bool:
-    text = str(error).lower()
-    return any(p in text for p in PEER_GONE)
-
-
-HOST_KEY = "subnetdp/process"  # + /<rank>: "host pid" of every rank, written when the group is made
-#: + /<rank>: written by a rank that met a lost peer, before it leaves: its own exit is no death to name
-LEFT_KEY = "subnetdp/left"
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-
-
-def dead_on_this_host(store: Any, members: Sequence[int], wait_s: float = 0.0) -> tuple[list[int], list[int]]:
-    """(members known dead, members on other hosts) from the processes every rank registered.
-
-    A member that left after meeting the loss itself (``LEFT_KEY``) is neither: a survivor that was
-    quicker to write its files and exit must not be named beside the rank that died. A dying process
-    closes its connections before the kernel marks it dead, so the members of this host are looked
-    at again for up to ``wait_s`` seconds while none of them is dead yet.
-    """
-    me, local, elsewhere = os.uname().nodename, {}, []
-    for r in members:
-        try:
-            if store.check([f"{LEFT_KEY}/{r}"]):
-                continue
-        except Exception:
-            pass
-        try:
-            host, pid = store.get(f"{HOST_KEY}/{r}").decode().split()
-        except Exception:  # not registered (an older peer) or the store is gone: unknown
-            elsewhere.append(r)
-            continue
-        if host != me:
-            elsewhere.append(r)
-        else:
-            local[r] = int(pid)
-    deadline = time.monotonic() + wait_s
-    while True:
-        dead = [r for r, pid in local.items() if not _process_alive(pid)]
-        if dead or time.monotonic() >= deadline:
-            return dead, elsewhere
-        time.sleep(0.02)
-
-
-def ranks_named(ranks: Sequence[int]) -> str:
-    """``rank 1`` or ``ranks 1, 3``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def stalled_peers(store: Any, rank: int, members: Sequence[int], key: str, grace: float,
-                  candidates: Sequence[int] | None = None) -> list[int]:
-    """The members of a failed collective that never reported the failure themselves.
-
-    Every member that sees it writes ``key/<rank>`` into the world's store; a member that does not
-    within ``grace`` seconds was not waiting in the collective: it is the one that stopped answering.
-    ``candidates``: only these members are waited for (the others are known).
-    """
-    store.set(f"{key}/{rank}", "timed out")
-    deadline = time.monotonic() + grace
-    silent = [r for r in (members if candidates is None else candidates) if r != rank]
-    while silent and time.monotonic() < deadline:
-        silent = [r for r in silent if not store.check([f"{key}/{r}"])]
-        time.sleep(0.05)
-    return silent
-
-
-def round_prefix(store: Any, rank: int) -> str:
-    """The store prefix of this rendezvous round, the same on every agent's workers.
-
-    ``TORCHELASTIC_RESTART_COUNT`` is per agent: when only one node's agent restarts, the survivor is
-    at attempt 1 and the fresh agent at 0, and their workers would meet under different prefixes (a
-    hang until ``comm.timeout_s``). Every round restarts every worker, so each rank joins the shared
-    store once per round: the count of rank ``rank``'s joins is the round, on every rank alike.
-    """
-    joins = int(store.add(f"subnetdp/joins/{rank}", 1))
-    return f"subnetdp/round-{joins}"
-
-
-#: How a closed connection to the store reads in torch's errors (gloo's TCPStore client).
-_STORE_HOST_LEFT = ("connection was likely closed", "connection reset", "broken pipe", "failed to recv")
-
-
-def arrival_error(comm: Communicator, init_method: str, timeout: float, error: BaseException) -> str:
-    """A message for a world that did not assemble: how many processes were expected, how many came."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-             if init_method == "env://" else init_method)
-    joined = re.search(r"(\d+)/(\d+) clients joined", text)
-    if joined:
-        arrived = f"only {joined.group(1)} of {comm.world_size} processes arrived"  # rank 0 counts itself
-    elif "timed out" in text.lower() or "timeout" in text.lower():
-        arrived = f"rank {comm.rank} of {comm.world_size} could not meet the others"
-    elif comm.rank != 0 and any(s in text.lower() for s in _STORE_HOST_LEFT):
-        # Rank 0 hosts the store: when it gives up first (its own timeout started earlier), the others
-        # see their connection close before their timeout. The same case, said the same way.
-        arrived = f"rank {comm.rank} of {comm.world_size} could not meet the others (rank 0, the store's host, gave up)"
-    else:
-        return (f"comm.name={comm.cfg.name}: creating the {comm.world_size}-process group at {where} failed: "
-                f"{text}")
-    return (f"comm.name={comm.cfg.name}: {arrived} at {where} within comm.timeout_s={timeout:g} s "
-            f"(the launcher promised world size {comm.world_size}; {comm.env.launcher} launch). Start "
-            f"exactly {comm.world_size} processes with the same MASTER_ADDR/MASTER_PORT, or raise "
-            f"comm.timeout_s if some start late. ({text})")
-
-
 class TorchDistCommunicator(Communicator):
     """Shared code of the ``torch.distributed`` backends; subclasses set ``backend``."""
 
@@ -186,6 +61,7 @@ class TorchDistCommunicator(Communicator):
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
         self._joined: dict | None = None  # a replacement: the decision it joined under
+        self._arriving: Membership | None = None  # a replacement until it forms the world with the members
 
     def init(self) -> None:
         # collective: every rank reaches this; it creates the world process group.
@@ -227,7 +103,7 @@ class TorchDistCommunicator(Communicator):
 
     def new_group(self, ranks: Sequence[int]) -> None:
         key = tuple(sorted(ranks))
-        if key in self._groups:
+        if key in self._groups or self._arriving is not None:  # a replacement makes its groups once arrived
             return
         if self._membership is not None:
             # After a re-formation only the group's members make it (named by the job's first ranks).
@@ -256,7 +132,17 @@ class TorchDistCommunicator(Communicator):
             raise SubnetdpError(f"rank {self.rank} (a replacement) did not join: the job ended before the members "
                                 "reached a step boundary it could join at")
         self._joined = decided
-        self._become(joined_membership(decided, me), timeout)
+        # The world is formed at arrive(), once this process has built all it can alone (its model, its
+        # optimizer): the members wait for it there, so nothing it does alone is in their pause.
+        self._arriving = joined_membership(decided, me)
+
+    def arrive(self) -> None:
+        """A replacement: form the world of W with the members at the join step. Owner groups asked for
+        before it (:meth:`new_group`) are made afterwards, in the members' order, by the join itself.
+        # collective: every member (in :meth:`grow`) and the newcomer reach this."""
+        m, self._arriving = self._arriving, None
+        if m is not None:
+            self._become(m, self.cfg.timeout_s)
 
     def _retire(self) -> None:
         """Abort the groups of today's world and let them go off the critical path: a re-formed group is
@@ -379,8 +265,8 @@ class TorchDistCommunicator(Communicator):
         try:
             return call()
         except (dist.DistError, RuntimeError) as e:
-            timeout = _is_timeout(e)
-            if not timeout and not _is_peer_gone(e):
+            timeout = is_timeout(e)
+            if not timeout and not is_peer_gone(e):
                 raise
             members = tuple(range(self.world_size)) if group is None else tuple(group)
             # The store's keys and the messages name the job's first ranks (the same across re-formations);
@@ -452,6 +338,21 @@ class TorchDistCommunicator(Communicator):
             self._guarded("broadcast", group, lambda: pg.broadcast([tensor], opts).wait())
             return
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
+
+    def send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """Point to point over the world: ``sends[r]`` to rank ``r``, ``recvs[r]`` filled from rank ``r``, all
+        posted before any is waited for (no order of the pairs can block); each receiver names the size its
+        sender sends. The heal of a re-formation (``train/continuation.py``) sends each piece to its gainers only."""
+        # collective: every rank named in a pair (its sender and its receiver) reaches this.
+        pg = self._pg(None)  # the world's own methods (world ranks), as after a re-formation
+        for tensor in sends.values():
+            self.bytes.add(self.world, tensor.numel() * tensor.element_size())  # what this rank hands over
+        works = [self._guarded("send", None, lambda t=t, d=d: pg.send([t], d, 0)) for d, t in sends.items()]
+        works += [self._guarded("recv", None, lambda t=t, r=r: pg.recv([t], r, 0)) for r, t in recvs.items()]
+        for work in works:
+            # A point-to-point work reports completion only once waited for (gloo), so the store is not
+            # watched here: a dead peer of the pair closes the connection, a stalled one hits the timeout.
+            self._guarded("send_recv", None, work.wait)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._membership is not None or self._job_store is not None:
