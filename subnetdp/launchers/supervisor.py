@@ -105,13 +105,14 @@ def _tend(store: Any, workers: dict[int, Any], codes: dict[int, int | None], mar
     return closed
 
 
-def _leave(store: Any, liveness: Liveness, place: Place, poll_s: float = 0.02) -> None:
+def _leave(store: Any, liveness: Liveness, place: Place, stopped: Callable[[], bool], poll_s: float = 0.02) -> None:
     """This node's workers ended. Node 0 hosts the store: it stays until every other node ended or was
-    lost (their workers may still need the store); another node says it ended, so nobody marks it lost."""
+    lost (their workers may still need the store), or it is told to stop (SIGINT, SIGTERM); another
+    node says it ended, so nobody marks it lost."""
     try:
         liveness.done()
         # A node that never arrived is not waited for: its workers could not have met these (a start-up timeout).
-        while place.node == 0 and liveness.pending():
+        while place.node == 0 and liveness.pending() and not stopped():
             liveness.tick()
             time.sleep(poll_s)
     except (RuntimeError, OSError):  # the store's host is gone: nothing left to tell anyone
@@ -261,7 +262,7 @@ def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0,
     try:
         codes = supervise(store, workers, float("inf"), replace=replace, liveness=liveness)
         if liveness is not None:
-            _leave(store, liveness, place)
+            _leave(store, liveness, place, lambda: bool(signalled))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
