@@ -3,6 +3,11 @@
 torchrun's agent answers a worker's death by stopping every worker and starting them again. For
 the survivors to go on in-process (docs/inprocess.md) the process that hosts the store must
 outlive every worker and leave the survivors running: this one does, and tells them whom it reaped.
+
+Over several nodes there is one supervisor per node (:class:`Place`): node 0's serves the job's
+store at ``launch.rdzv_endpoint``, the others are its clients; each starts its node's workers with
+their global ranks and reaps them, and each beats in the store and marks the workers of a node that
+went silent (:mod:`subnetdp.launchers.liveness`), so a node lost whole is marked like a dead worker.
 """
 
 from __future__ import annotations
