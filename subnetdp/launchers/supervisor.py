@@ -3,6 +3,11 @@
 torchrun's agent answers a worker's death by stopping every worker and starting them again. For
 the survivors to go on in-process (docs/inprocess.md) the process that hosts the store must
 outlive every worker and leave the survivors running: this one does, and tells them whom it reaped.
+
+Over several nodes there is one supervisor per node (:class:`Place`): node 0's serves the job's
+store at ``launch.rdzv_endpoint``, the others are its clients; each starts its node's workers with
+their global ranks and reaps them, and each beats in the store and marks the workers of a node that
+went silent (:mod:`subnetdp.launchers.liveness`), so a node lost whole is marked like a dead worker.
 """
 
 from __future__ import annotations
@@ -13,9 +18,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
+
+from subnetdp.core.errors import ConfigError
+from subnetdp.launchers.liveness import Liveness
 
 #: + /<rank>: a reaped worker. Read by ``plugins/comm/regroup.py`` (the same literal: a plugin
 #: imports only the public API), so the survivors need not wait out a timeout for a dead process.
@@ -39,7 +48,8 @@ def _exitcode(proc: Any) -> int | None:
 
 
 def supervise(store: Any, workers: dict[int, Any], timeout_s: float, poll_s: float = 0.02,
-              replace: Callable[[int], tuple[int, Any] | None] | None = None) -> dict[int, int | None]:
+              replace: Callable[[int], tuple[int, Any] | None] | None = None,
+              liveness: Liveness | None = None) -> dict[int, int | None]:
     """Watch ``workers`` (worker id -> process) until all ended or ``timeout_s``; return their exit codes.
 
     A worker that ends with a non-zero code is marked dead in the store at once and nobody else is
@@ -48,7 +58,10 @@ def supervise(store: Any, workers: dict[int, Any], timeout_s: float, poll_s: flo
     at a step boundary: docs/inprocess.md). A running worker the survivors marked (left out of their
     agreement: it stalled) is killed. When every worker but the replacements has ended, a replacement
     still waiting to join is told the job closed. Workers still running at the timeout are left to
-    the caller (it decides whether to kill them).
+    the caller (it decides whether to kill them). ``liveness`` (several nodes): this node beats and
+    marks the workers of a node found lost, every poll. A store that fails (its host, node 0's
+    supervisor, is gone) is used no more: the workers find it gone too and take the restart path;
+    this one only reaps them.
     """
     marked: set[int] = set()
     spares: set[int] = set()
@@ -56,34 +69,147 @@ def supervise(store: Any, workers: dict[int, Any], timeout_s: float, poll_s: flo
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         codes = {r: _exitcode(p) for r, p in workers.items()}
-        for r, code in codes.items():
-            if code not in (None, 0) and r not in marked:
-                store.set(f"{DEAD_KEY}/{r}", f"exit {code}")
-                marked.add(r)
-                new = replace(r) if replace is not None else None
-                if new is not None:
-                    workers[new[0]] = new[1]
-                    spares.add(new[0])
-            elif code is None and r not in marked and store.check([f"{DEAD_KEY}/{r}"]):
-                # The survivors went on without it (it stalled past the agreement): stop it for good,
-                # so it cannot write into their run or hold the job open.
-                workers[r].kill()
-                marked.add(r)
-        if spares and not closed and all(c is not None for r, c in codes.items() if r not in spares):
-            store.set(f"{JOIN_KEY}/closed", "the job ended")  # a replacement still waiting leaves
-            closed = True
+        try:
+            if store is not None:
+                closed = _tend(store, workers, codes, marked, spares, closed, replace, liveness)
+        except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+            print(f"subnetdp supervisor: the job's store is gone ({str(e).splitlines()[0][:120]}): its host, "
+                  "node 0's supervisor, died; the workers here take the restart path", flush=True)
+            store = None
         if all(c is not None for c in codes.values()) and len(codes) == len(workers):
             # A replacement that never joined left because the job ended (one line): no failure of the job.
-            return {r: 0 if r in spares and not store.check([f"{JOIN_KEY}/{r}/decided"]) else c for r, c in codes.items()}
+            joined = (lambda r: True) if store is None else (lambda r: store.check([f"{JOIN_KEY}/{r}/decided"]))
+            return {r: 0 if r in spares and not joined(r) else c for r, c in codes.items()}
         time.sleep(poll_s)
     return {r: _exitcode(p) for r, p in workers.items()}
+
+
+def _tend(store: Any, workers: dict[int, Any], codes: dict[int, int | None], marked: set[int], spares: set[int],
+          closed: bool, replace: Callable[[int], tuple[int, Any] | None] | None, liveness: Liveness | None) -> bool:
+    """One poll's store work of :func:`supervise`; returns whether the waiting replacements were told the job closed."""
+    for r, code in codes.items():
+        if code not in (None, 0) and r not in marked:
+            store.set(f"{DEAD_KEY}/{r}", f"exit {code}")
+            marked.add(r)
+            new = replace(r) if replace is not None else None
+            if new is not None:
+                workers[new[0]] = new[1]
+                spares.add(new[0])
+        elif code is None and r not in marked and store.check([f"{DEAD_KEY}/{r}"]):
+            # The survivors went on without it (it stalled past the agreement, or its node was taken
+            # for lost): stop it for good, so it cannot write into their run or hold the job open.
+            workers[r].kill()
+            marked.add(r)
+    if liveness is not None:
+        for n in liveness.tick():
+            print(f"subnetdp supervisor: node {n} lost (no beat for {liveness.silence_s:g} s): its workers "
+                  f"{liveness.workers_of[n]} are marked dead, the survivors go on without them", flush=True)
+    if spares and not closed and all(c is not None for r, c in codes.items() if r not in spares):
+        store.set(f"{JOIN_KEY}/closed", "the job ended")  # a replacement still waiting leaves
+        closed = True
+    return closed
+
+
+def _leave(store: Any, liveness: Liveness, place: Place, stopped: Callable[[], bool], poll_s: float = 0.02) -> None:
+    """This node's workers ended. Node 0 hosts the store: it stays until every other node ended or was
+    lost (their workers may still need the store), or it is told to stop (SIGINT, SIGTERM); another
+    node says it ended, so nobody marks it lost."""
+    try:
+        liveness.done()
+        # A node that never arrived is not waited for: its workers could not have met these (a start-up timeout).
+        while place.node == 0 and liveness.pending() and not stopped():
+            liveness.tick()
+            time.sleep(poll_s)
+    except (RuntimeError, OSError):  # the store's host is gone: nothing left to tell anyone
+        pass
 
 
 #: Set in every worker the supervisor starts (read by ``plugins/comm/torch_dist.py``, the same literal).
 SUPERVISED_ENV = "SUBNETDP_SUPERVISED"
 
 
-def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, replacements: int = 0) -> int:
+@dataclass(frozen=True)
+class Place:
+    """Where this supervisor's workers sit in a job over several nodes (one node: the defaults).
+
+    Node 0 hosts the job's store at ``host:port`` (the endpoint); the others reach it as clients.
+    Worker ids are the global ranks: node ``n`` starts ranks ``n * nproc ... n * nproc + nproc - 1``.
+    """
+
+    nodes: int = 1
+    node: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0  # node 0: 0 picks a free one (one node)
+    run_id: str = ""
+
+
+def place_of(cfg: Any) -> Place:
+    """This node of a supervised job over ``launch.nodes`` (``subnetdp train ... launch.on_failure=continue``).
+
+    Refuses, in one line naming the key, what cannot work: the supervisor is the only launcher that
+    lets survivors go on, so several nodes without ``on_failure=continue`` belong to ``subnetdp launch``;
+    an elastic job and replacements are torchrun's and one node's; a node needs the endpoint of node 0's store.
+    """
+    from subnetdp.launchers.nodes import check_config
+
+    launch, nodes, node = cfg.launch, int(cfg.launch.nodes), int(cfg.launch.node_rank)
+    if node >= nodes:
+        raise ConfigError("launch.node_rank", node, f"is outside launch.nodes={nodes}",
+                          f"use 0 on the node of launch.rdzv_endpoint and 1..{nodes - 1} on the others")
+    if launch.on_failure != "continue":
+        raise ConfigError("launch.nodes", nodes, "with subnetdp train starts this node's workers under subnetdp's "
+                          "supervisor, which only serves launch.on_failure=continue",
+                          "add launch.on_failure=continue, or start a job that restarts over several nodes with "
+                          f"subnetdp launch --nnodes {nodes} --node-rank R --rdzv-endpoint HOST:PORT")
+    if int(launch.min_nodes) not in (0, nodes):
+        raise ConfigError("launch.min_nodes", int(launch.min_nodes), "makes an elastic job, whose nodes torchrun's "
+                          "agents restart; survivors going on in-process (launch.on_failure=continue) need no "
+                          "smallest world", "remove launch.min_nodes (0)")
+    if int(launch.replace):
+        raise ConfigError("launch.replace", int(launch.replace), f"replaces dead workers on one node only, not "
+                          f"over launch.nodes={nodes}", "set launch.replace=0 (the survivors go on at the smaller world)")
+    if not str(launch.rdzv_endpoint):
+        raise ConfigError("launch.rdzv_endpoint", "", f"the supervisors of launch.nodes={nodes} meet at the job's "
+                          "store, which node 0's supervisor serves there",
+                          "set launch.rdzv_endpoint=HOST:PORT: a free port on node 0 (start it first)")
+    check_config(cfg)  # the endpoint's form, run.name
+    host, _, port = str(launch.rdzv_endpoint).rpartition(":")
+    return Place(nodes, node, host, int(port), str(launch.rdzv_id) or f"subnetdp-{cfg.run.name}")
+
+
+def check_supervised(on_failure: str, launcher: str) -> None:
+    """``launch.on_failure=continue`` where no subnetdp supervisor starts the workers: refused in one line.
+
+    torchrun's agent restarts every worker of its node when one dies (and over several nodes every
+    node's), mpirun ends the job (no ULFM here): neither leaves survivors to go on.
+    """
+    if on_failure != "continue" or os.environ.get(SUPERVISED_ENV) == "1":
+        return
+    raise ConfigError("launch.on_failure", "continue", f"needs the workers started by subnetdp's supervisor, but "
+                      f"{launcher} starts them (it restarts or ends every worker when one dies)",
+                      "start them with subnetdp train RECIPE launch.nproc=N launch.on_failure=continue (over several "
+                      "nodes add launch.nodes=N launch.node_rank=R launch.rdzv_endpoint=HOST:PORT on each), "
+                      "or use launch.on_failure=restart")
+
+
+def _store_of(place: Place, timeout_s: float) -> Any:
+    """The job's store: served here on node 0, reached as a client elsewhere (waiting up to ``timeout_s``)."""
+    try:
+        if place.node == 0:
+            return host_store(timeout_s, place.host, place.port)
+        return dist.TCPStore(place.host, place.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        what = ("cannot be served from this node (node 0)" if place.node == 0 else
+                f"did not answer within comm.timeout_s={timeout_s:g} s")
+        fix = ("choose a free port on this node" if place.node == 0 else
+               "start node 0 (launch.node_rank=0, the endpoint's node) first, with the same launch.rdzv_endpoint")
+        raise ConfigError("launch.rdzv_endpoint", f"{place.host}:{place.port}", f"the job's store {what} ({first})",
+                          fix) from None
+
+
+def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, replacements: int = 0,
+                      place: Place = Place()) -> int:
     """``launch.on_failure=continue``: run ``python -m subnetdp <argv>`` in ``nproc`` workers under this process.
 
     This process hosts the job's store (the workers reach it as torchrun's workers reach the
@@ -91,20 +217,30 @@ def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0,
     the survivors can go on in-process (docs/inprocess.md). Returns 0 when every worker that was
     not reaped dead ended well, else the first non-zero exit code. ``replacements``: how many dead
     workers in all are replaced by a fresh worker that joins the survivors (``launch.replace``).
+    ``place``: this node of a job over several (node 0 hosts the store, the others join it; each
+    beats and watches the others: :mod:`subnetdp.launchers.liveness`).
     """
     from subnetdp.launchers.lifetime import PARENT_ENV
 
-    store = host_store(timeout_s)
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+    store = _store_of(place, timeout_s)
+    world, first = place.nodes * nproc, place.node * nproc
+    base = {**os.environ, "MASTER_ADDR": place.host, "MASTER_PORT": str(store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            SUPERVISED_ENV: "1", PARENT_ENV: str(os.getpid())}
+            "TORCHELASTIC_MAX_RESTARTS": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(place.node), SUPERVISED_ENV: "1", PARENT_ENV: str(os.getpid())}
+    if place.run_id:  # every node's workers are one job's (the run directory's lock names it: runlock.job_id)
+        base["TORCHELASTIC_RUN_ID"] = place.run_id
     base.setdefault("OMP_NUM_THREADS", "1")
     def start(rank: int, extra: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "subnetdp", *argv],
-                                env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra}, start_new_session=True)
+                                env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank - first), **extra},
+                                start_new_session=True)
 
-    workers: dict[int, Any] = {r: start(r, {}) for r in range(nproc)}
+    workers: dict[int, Any] = {r: start(r, {}) for r in range(first, first + nproc)}
+    liveness = None
+    if place.nodes > 1:
+        liveness = Liveness(store, place.node, {n: list(range(n * nproc, (n + 1) * nproc)) for n in range(place.nodes)},
+                            DEAD_KEY)
     slot = {r: r for r in range(nproc)}  # worker id -> the rank it holds at W
     left = [int(replacements)]
 
@@ -129,7 +265,9 @@ def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0,
     signalled: list[int] = []
     previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        codes = supervise(store, workers, float("inf"), replace=replace)
+        codes = supervise(store, workers, float("inf"), replace=replace, liveness=liveness)
+        if liveness is not None:
+            _leave(store, liveness, place, lambda: bool(signalled))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

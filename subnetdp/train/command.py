@@ -7,6 +7,7 @@ workers where this process starts them), then train or start the workers. ``cli.
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 from typing import Sequence
@@ -36,9 +37,12 @@ def train_command(recipe: str | None, overrides: list[str], print_config: bool =
     nproc = settings.launch.nproc
     if _already_finished(cfg, env):
         return 0
-    if env.launcher == "none" and nproc > 1:
+    if env.launcher == "none" and (nproc > 1 or settings.launch.nodes > 1):
         return _start_local_workers(cfg, settings, recipe, overrides, pm)
     if env.launcher != "none":
+        from subnetdp.launchers.supervisor import check_supervised
+
+        check_supervised(settings.launch.on_failure, env.launcher)  # every rank alike, before any process group
         from subnetdp.launchers.lifetime import worker_dies_with_launcher
 
         worker_dies_with_launcher()  # a killed launcher takes its workers with it
@@ -95,27 +99,46 @@ def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None
                           "replaces dead workers of a job whose survivors go on in-process, but launch.on_failure="
                           f"{launch.on_failure}", "set launch.on_failure=continue, or launch.replace=0")
     upfront.check_launcher(cfg, pm.registries, "local", nproc)
-    # Fail on a bad plan or machine here, before any worker or process group exists.
-    preflight(cfg, nproc, pm)
     continuing = launch.on_failure == "continue"
     if continuing and (launch.max_restarts or settings.comm.name != "gloo"):
         raise ConfigError("launch.on_failure", "continue",
                           f"restarts nobody and re-forms gloo groups, but launch.max_restarts="
                           f"{launch.max_restarts} and comm.name={settings.comm.name}",
                           "set launch.max_restarts=0 and comm.name=gloo, or launch.on_failure=restart")
+    place = None
+    if launch.nodes > 1 or launch.node_rank:
+        from subnetdp.launchers.supervisor import place_of
+
+        place = place_of(cfg)  # every refusal of a supervised job over several nodes, in one line each
+    # Fail on a bad plan or machine here, before any worker or process group exists.
+    preflight(cfg, nproc * launch.nodes, pm)
     given = bool(cfg.run.name)
     cfg = _named(cfg, nproc)
     argv = ["train"] + ([recipe] if recipe else []) + overrides + ([] if given else [f"run.name={cfg.run.name}"])
     # The lock is taken here, before any worker exists, and handed to the workers' rank 0: a second job
     # on this run directory stops at this line however soon after this one it was started.
-    with _claim(cfg, hold=True):
+    if place is not None and place.node > 0:
+        # The lock is the job's, held by node 0's supervisor for its rank 0: the other nodes' workers
+        # recognise the run directory as their job's by the run id the lock records (runlock.job_id).
+        from contextlib import nullcontext
+
+        runlock.check_writable(upfront.run_dir_of(cfg), cfg.run.dir)
+        claimed = nullcontext()
+    else:
+        if place is not None:
+            os.environ["TORCHELASTIC_RUN_ID"] = place.run_id  # recorded in the lock: the job every node's workers belong to
+        claimed = _claim(cfg, hold=True)
+    with claimed:
         record_invocation()  # the workers' resume commands name the program as it was started here
         if continuing:
-            from subnetdp.launchers.supervisor import launch_supervised
+            from subnetdp.launchers.supervisor import Place, launch_supervised
 
-            print(f"starting {nproc} local workers (subnetdp supervisor: a dead worker is not restarted, "
+            where = "" if place is None else (f" of node {place.node} of {place.nodes}, ranks {place.node * nproc}-"
+                                              f"{place.node * nproc + nproc - 1} (job store at {place.host}:{place.port})")
+            print(f"starting {nproc} local workers{where} (subnetdp supervisor: a dead worker is not restarted, "
                   "the others go on)", flush=True)
-            return launch_supervised(nproc, argv, timeout_s=settings.comm.timeout_s, replacements=launch.replace)
+            return launch_supervised(nproc, argv, timeout_s=settings.comm.timeout_s, replacements=launch.replace,
+                                     place=place or Place())
         restarts = launch.max_restarts
         again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)
@@ -142,10 +165,13 @@ def launch_command(recipe: str | None, overrides: list[str], launcher: str, npro
     from subnetdp.launchers.nodes import nodes_of
     from subnetdp.train.setup import preflight
 
+    from subnetdp.launchers.supervisor import check_supervised
+
     kind = launcher_named(launcher)  # chosen once: what it decides is asked of it below
     pm = PluginManager()
     # launch.nproc of this launch: the local workers (the recipe's value would steer the thread checks)
     cfg = load_config(recipe, overrides + [f"launch.nproc={nproc}"], pm.registries)
+    check_supervised(cfg.launch.on_failure, launcher)
     upfront.check_launcher(cfg, pm.registries, launcher, nproc)
     nodes = nodes_of(cfg, launcher, node_rank)
     # a bad config or plan fails here, before any worker starts (srun's workers run on other machines),

@@ -313,7 +313,7 @@ class _CannotGoOn(Exception):
 
 def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, ...]) -> tuple[Any, ...]:
     """Every network part of going on, before the state changes: the agreement and the world
-    (``comm.regroup``), the owner groups of the new plan, and the heal's broadcasts. A death amid them
+    (``comm.regroup``), the owner groups of the new plan, and the heal's messages. A death amid them
     leaves this survivor's state as it was at ``last``, so the survivors can agree again without the
     dead (the same discipline as a join's ``rejoin._meet``). Collective among the survivors.
 

@@ -87,12 +87,12 @@ class JoinFailed(PeerLost):
 
 def _meet(ctx: RunContext, source: SurvivorsPieces, full: MaskPlan, state: "TrainState", step: int) -> None:
     """Every network part of a join, before any state changes: the owner groups of ``full`` (made here,
-    in one order, so the re-plan finds them made), then the heal's broadcasts. Collective: every member
+    in one order, so the re-plan finds them made), then the heal's messages. Collective: every member
     and the newcomer."""
     for ranks in sorted(full.owner_sets()):
         ctx.comm.new_group(ranks)  # collective: every member of the group
     faults.fault_point(faults.KILL_IN_JOIN, step, ctx.rank, ctx.run_dir)  # test-only
-    source.fetch(_Renumbered(ctx, state), full)  # collective: the broadcasts of every piece the newcomer gains
+    source.fetch(_Renumbered(ctx, state), full)  # collective: the messages carrying every piece the newcomer gains
 
 
 class _Renumbered:

@@ -124,7 +124,11 @@ class LaunchConfig:
     replace: int = doc("launch.on_failure=continue: dead workers the supervisor replaces by a fresh worker, which joins the "
                        "survivors at a step boundary and is healed from its units' owners over the network: the world grows "
                        "back to launch.nproc (docs/inprocess.md)", 0, lo=0, fix="0 replaces nobody: the survivors go on at the smaller world")
-    rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents meet (a free port on the node started first)", "")
+    node_rank: int = doc("subnetdp train launch.nodes=N launch.on_failure=continue: this node's place, 0 on the node of "
+                         "launch.rdzv_endpoint (its supervisor hosts the job's store), 1..N-1 on the others", 0, lo=0,
+                         fix="0 on the node of launch.rdzv_endpoint, 1..launch.nodes-1 on the others")
+    rdzv_endpoint: str = doc("HOST:PORT where the nodes' torchrun agents (or, with launch.on_failure=continue, subnetdp's "
+                             "supervisors) meet: a free port on the node started first", "")
     rdzv_id: str = doc("the job's rendezvous id, the same on every node (empty: subnetdp-RUN.NAME)", "")
     rdzv_conf: str = doc("torchrun's --rdzv-conf, e.g. last_call_timeout=30,join_timeout=600", "")
     # SLURM and Kubernetes wait 30 s between SIGTERM and SIGKILL by default; a checkpoint of a large

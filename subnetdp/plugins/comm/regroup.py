@@ -68,12 +68,18 @@ def wait_or_regroup(work: Any, store: Any, world: Sequence[int], generation: int
     A ring all-reduce blocks a member on its neighbour, not on the dead rank: a survivor two hops
     away would see nothing until ``comm.timeout_s`` (20 s of a 20 s timeout, measured). It watches
     the store instead: the supervisor's death mark or another survivor's registration for this
-    generation ends its wait. A failed work raises from ``wait`` as before.
+    generation ends its wait. A failed work raises from ``wait`` as before. A store that fails (its
+    host, node 0's supervisor, died with that node's workers) is watched no more: the work then ends
+    by itself (a closed connection at once, a stall at ``comm.timeout_s``), and the failure takes the
+    restart path, as the re-formation needs the store.
     """
     marks = [f"{DEAD_KEY}/{r}" for r in world] + [f"{REGROUP_KEY}/{generation}/alive/{r}" for r in world]
     while not work.is_completed():
-        if any(store.check([k]) for k in marks):
-            return False
+        try:
+            if any(store.check([k]) for k in marks):
+                return False
+        except (RuntimeError, OSError):  # torch's DistNetworkError: the store's host is gone
+            break
         time.sleep(poll_s)
     work.wait()
     return True
@@ -113,6 +119,12 @@ def agree(store: Any, old_rank: int, old_world: Sequence[int], lost: Sequence[in
     for r in old_world:  # a member left out (one that stalled) is the supervisor's to stop: it must not come back
         if r not in members and not store.check([f"{DEAD_KEY}/{r}"]):
             store.set(f"{DEAD_KEY}/{r}", f"left out of re-formation {generation}")
+    unaccounted = [r for r in waiting if r not in members]
+    if unaccounted and members and old_rank == members[0]:
+        # Nothing said these ranks were gone: no supervisor reaped them (a stall, or a node whose loss no
+        # supervisor saw), so every survivor waited out the agreement's timeout for them.
+        print(f"subnetdp: re-formation {generation}: rank(s) {unaccounted} neither checked in nor were marked dead "
+              f"by a supervisor within comm.timeout_s={timeout_s:g} s; the survivors go on without them", flush=True)
     if old_rank not in members:
         raise SubnetdpError(f"rank {old_rank} reached the re-formation {generation} after the survivors "
                             f"{list(members)} had agreed without it; it leaves (its units have co-owners)")

@@ -1,0 +1,80 @@
+"""``launch.on_failure=continue`` over two nodes: a worker dies, then a whole node; the others go on in-process.
+
+Two "nodes" on this machine, each a real ``subnetdp train ... launch.nodes=2 launch.node_rank=R``
+(a supervisor and its 2 workers, as tests/e2e/test_multinode.py runs 2 torchrun agents): node 0's
+supervisor serves the job's store at the endpoint, node 1's reaches it as a client. One job, two
+failures, so one pair of start-ups pays for both:
+
+1. rank 2 (node 1) is SIGKILLed inside step 4's gradient averaging: node 1's supervisor reaps it and
+   marks it dead in the shared store, and the 3 survivors on both nodes go on in-process;
+2. later, node 1 vanishes whole (its supervisor SIGKILLed, its last worker with it): nobody is left
+   there to reap, so node 0's supervisor finds node 1's beat silent and marks its worker dead, and
+   the 2 workers of node 0 go on (the plan places every unit's owners on both nodes).
+
+Neither agreement may wait out ``comm.timeout_s`` for an unmarked rank (the survivors say so in one
+line when they have to); no finished step is trained twice; the owners' digests agree after every
+step (``recovery.verify_every=1``), after both heals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from subnetdp.plugins.comm._rendezvous import free_port
+from subnetdp.train import faults
+from tests.e2e.test_multinode import ENV, Agent, _assert_nobody_left, _wait_for, agents  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")
+
+STEPS = 14
+ARGS = ["resnet18_digits", f"train.steps={STEPS}", "train.batch_size=4", "train.log_every=1", "train.progress=false",
+        "eval.bn_recalibrate_batches=0", "eval.every=0", "optim.warmup_steps=0", "masker.coverage=0.5",
+        "masker.min_owners=2", "recovery.verify_every=1", "launch.threads_per_rank=1", "comm.timeout_s=30",
+        "launch.nproc=2", "launch.nodes=2", "launch.on_failure=continue"]
+
+
+def _steps(metrics) -> list[int]:
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [int(r["step"]) for r in rows if "train/loss" in r]
+
+
+def test_survivors_on_both_nodes_go_on_after_a_worker_and_then_a_whole_node_die(tmp_path, agents):
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**ENV, faults.KILL_IN_SYNC: "4", faults.KILL_RANK: "2"}
+    for node in (0, 1):  # node 0 first: its supervisor serves the store (node 1's waits for it anyway)
+        cmd = [sys.executable, "-m", "subnetdp", "train", *ARGS, f"run.dir={tmp_path}", "run.name=job",
+               f"launch.rdzv_endpoint={endpoint}", f"launch.node_rank={node}"]
+        agents.append(Agent(cmd, tmp_path / f"node{node}", env))
+    host, lost = agents
+    run = tmp_path / "job"
+    metrics = run / "metrics.jsonl"
+    # The first death is over when the 3 survivors finished two more steps; then node 1 goes whole.
+    _wait_for("the 3 survivors' steps after the first death", lambda: max(_steps(metrics), default=0) >= 7, timeout=400)
+    assert "the 3 survivors (old ranks [0, 1, 3]) go on in-process from step 3" in host.console, host.console[-4000:]
+    lost.kill_group()  # node 1's supervisor by SIGKILL; its worker dies with it (PR_SET_PDEATHSIG)
+    last_before = max(_steps(metrics))
+    assert host.wait(400) == 0, host.console[-6000:]
+    lost.wait(60)
+    console = host.console
+    assert faults.fault_marker(run, faults.KILL_IN_SYNC, 4, 2).exists()  # the first SIGKILL happened
+    assert "the 3 survivors (old ranks [0, 1, 3]) go on in-process from step 3" in console
+    # Node 0's supervisor saw node 1's beat stop and marked its remaining worker (rank 3) dead.
+    assert re.search(r"node 1 lost \(no beat for [\d.]+ s\): its workers \[2, 3\] are marked dead", console), console[-6000:]
+    second = re.search(r"the 2 survivors \(old ranks \[0, 1\]\) go on in-process from step (\d+): (\d+) piece", console)
+    assert second and int(second.group(2)) > 0, console[-6000:]  # rank 3's units gained owners on node 0
+    assert int(second.group(1)) >= last_before  # the last step both survivors finished, not older
+    # Every death was marked: no agreement waited out comm.timeout_s for a rank nobody accounted for.
+    assert "neither checked in nor were marked dead" not in console, console[-6000:]
+    assert "owners disagree" not in console and "Traceback" not in console, console[-6000:]
+    steps = _steps(metrics)
+    assert steps == list(range(1, STEPS + 1)), steps  # no step trained twice, none lost
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS
+    _assert_nobody_left(str(tmp_path), agents)
