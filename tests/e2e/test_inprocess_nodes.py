@@ -73,8 +73,11 @@ def test_survivors_on_both_nodes_go_on_after_a_worker_and_then_a_whole_node_die(
     # Every death was marked: no agreement waited out comm.timeout_s for a rank nobody accounted for.
     assert "neither checked in nor were marked dead" not in console, console[-6000:]
     assert "owners disagree" not in console and "Traceback" not in console, console[-6000:]
-    steps = _steps(metrics)
-    assert steps == list(range(1, STEPS + 1)), steps  # no step trained twice, none lost
+    steps, commit = _steps(metrics), int(second.group(1))
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS, steps  # no step trained twice, the run ended
+    # A row is missing only where node 1 went between the survivors' update of the commit step and its
+    # row (the row's loss reduction failed): that loss rides in the next row (docs/inprocess.md, Logging).
+    assert set(range(1, STEPS + 1)) - set(steps) <= {commit}, (steps, commit)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
     _assert_nobody_left(str(tmp_path), agents)

@@ -56,7 +56,7 @@ class TorchDistCommunicator(Communicator):
     def __init__(self, cfg: Any, env: Any) -> None:
         super().__init__(cfg, env)
         self._groups: dict[tuple[int, ...], Any] = {}
-        self._stalls = 0  # timed-out collectives so far: each gets its own keys in the store
+        self._stalls: dict[str, int] = {}  # failed collectives per world (membership): each gets its own keys
         self._job_store: Any = None  # the launcher's store, unprefixed: where the supervisor marks the dead
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
@@ -273,18 +273,22 @@ class TorchDistCommunicator(Communicator):
             # the error's ``lost`` is in today's numbering, the one the state's plan is in.
             ids = self.origin
             job, me = tuple(ids[r] for r in members), ids[self.rank]
-            self._stalls += 1
+            # Keyed by the world every member agreed on, never by a count of this process's own failures: a
+            # survivor that learnt of the last death from the store (``_finish``) counted none, another that
+            # met it here one, and a shared counter would have split their check-ins in the next world.
+            world = self._membership.prefix if self._membership else "first"
+            self._stalls[world] = self._stalls.get(world, 0) + 1
+            key = f"subnetdp/stall/{world}/{self._stalls[world]}"
             dead: list[int] = []
             try:
                 store = dist.distributed_c10d._get_default_store()
                 store.set(f"{LEFT_KEY}/{me}", "peer lost")  # before anyone can see this rank exit
                 grace = max(2.0, min(10.0, self.cfg.timeout_s / 10))
                 if timeout:
-                    silent = stalled_peers(store, me, job, f"subnetdp/stall/{self._stalls}", grace)
+                    silent = stalled_peers(store, me, job, key, grace)
                 else:  # a connection closed: a process of this host is looked at, one elsewhere asked
                     dead, elsewhere = dead_on_this_host(store, job, wait_s=min(grace, 2.0))
-                    silent = sorted(dead + stalled_peers(store, me, job, f"subnetdp/stall/{self._stalls}",
-                                                         grace, [r for r in elsewhere if r != me]))
+                    silent = sorted(dead + stalled_peers(store, me, job, key, grace, [r for r in elsewhere if r != me]))
             except Exception:  # the store went with the job (it lived in a dead rank): say what is known
                 silent = []
             names = ranks_named(silent) if silent else None
