@@ -189,7 +189,7 @@ def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, 
     # silent rank, keep their units as of step 3; the stopped rank is SIGKILLed once named (torchrun's
     # agent would do it after 30 s more) and the agent restarts the group.
     proc = _torchrun(tmp_path, "stalled", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
-                     "comm.timeout_s=10", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"},
+                     "comm.timeout_s=4", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"},
                      kill_stopped_after="rank 1 stopped answering")
     run = tmp_path / "stalled"
     assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()
