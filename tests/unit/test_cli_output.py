@@ -89,7 +89,8 @@ def test_a_piped_run_prints_whole_log_lines_and_no_bar(tmp_path):
 def test_the_program_ends_frozen_out_of_the_collector_and_main_in_a_test_process_does_not():
     """Both ways of starting the program (the ``subnetdp`` script, ``python -m subnetdp``) end with what
     is alive frozen out of the cycle collector, which spares every worker the shutdown's full
-    collections; :func:`main`, called in this long-lived process, freezes nothing."""
+    collections, and a training process imports with the collector paused; :func:`main`, called in this
+    long-lived process, freezes nothing."""
     import gc
     import subprocess
     import sys
@@ -107,3 +108,16 @@ def test_the_program_ends_frozen_out_of_the_collector_and_main_in_a_test_process
         assert int(proc.stdout.split("frozen ")[-1]) > 0, (how, proc.stdout[-500:])
     before = gc.get_freeze_count()
     assert main(["recipes"]) == 0 and gc.get_freeze_count() == before
+    # `subnetdp train` imports torch and its plugins with the collector paused (they make no garbage), and
+    # it collects again once they are loaded (a long run's garbage is collected).
+    watch = ("import gc, sys; seen = []\n"
+             "from subnetdp.cli import program\n"
+             "gc.callbacks.append(lambda phase, info: phase == 'start' and seen.append("
+             "'subnetdp.plugins.models.resnet.adapter' in sys.modules))\n"
+             "code = program(['train', 'resnet18_digits', '--print-config'])\n"
+             "print('enabled', gc.isenabled(), 'before', seen.count(False), 'after', seen.count(True))\n"
+             "raise SystemExit(code)")
+    proc = subprocess.run([sys.executable, "-c", watch], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "masker:" in proc.stdout, proc.stderr[-2000:]
+    enabled, _, before, _, after = proc.stdout.split("enabled ")[-1].split()
+    assert (enabled, before) == ("True", "0") and int(after) > 0, proc.stdout[-300:]
