@@ -77,7 +77,9 @@ def _torchrun(tmp: Path, name: str, *extra: str, nproc: int = 4, env: dict | Non
 
 def _kill_stopped(tmp: Path) -> None:
     """SIGKILL the stopped (state T) processes of the job writing under ``tmp``."""
-    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
+    # -ww: without a terminal to size it by, ps cuts each line at 80 columns, before a worker's run.dir:
+    # nothing matched, and the agent's 30 s grace ran out instead (half of this test's time).
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
     for line in ps.splitlines():
         pid, stat, args = line.split(None, 2)
         if stat.startswith("T") and f"run.dir={tmp} " in args + " ":
