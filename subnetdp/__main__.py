@@ -1,4 +1,4 @@
-from subnetdp.cli import main
+from subnetdp.cli import program
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(program())

@@ -1,3 +1,4 @@
+import gc
 import os
 from pathlib import Path
 
@@ -53,3 +54,10 @@ def pytest_collection_modifyitems(config, items):
         path = nodeid.split("::", 1)[0]
         if path.startswith(_SLOW_DIRS) or path in _SLOW_FILES or nodeid in _SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    # What collecting imported (torch, the plugins, every test module) lives as long as the session:
+    # frozen out of the cycle collector, whose full collections would walk it all again, and again.
+    # Measured on 116 quick unit tests: 10 full collections took 8.1 s, frozen 18 took 3.5 s.
+    gc.freeze()

@@ -92,7 +92,9 @@ def with_overrides(cfg: DictConfig, **values: Any) -> DictConfig:
 class BudgetSearch:
     """Dry runs of candidate configs, cached by their overrides."""
 
-    def __init__(self, cfg: DictConfig, world_size: int, pm: Any) -> None:
+    def __init__(self, cfg: DictConfig, world_size: int, pm: Any, dry_runs: dict[tuple, Any] | None = None) -> None:
+        """``dry_runs``: the dry runs of earlier searches of this ``cfg`` and world size (the same dict,
+        filled in here): each candidate is dry-run once however many budgets are searched."""
         from subnetdp.plan.report import shape_plan
 
         self.cfg, self.world, self.pm = cfg, world_size, pm
@@ -100,6 +102,7 @@ class BudgetSearch:
         self.cands = candidates(self.partition, str(cfg.masker.get("group_by", "auto")))
         self.tried: list[dict[str, Any]] = []
         self._cache: dict[tuple, Any] = {}
+        self._dry_runs = {} if dry_runs is None else dry_runs  # key -> (report, its entry in tried)
 
     def replicas(self, cfg: DictConfig) -> int:
         return self.world // cfg.fsdp.shard_size
@@ -110,11 +113,19 @@ class BudgetSearch:
         ``probe_rank_coverage``: rank 0 keeps that coverage and every other rank the whole model,
         and only rank 0 is dry-run (one rank's peak as a function of its own coverage).
         """
-        from subnetdp.plan.report import plan_report
-
         key = (repr(sorted(overrides.items())), probe_rank_coverage)
         if key in self._cache:
             return self._cache[key]
+        if key not in self._dry_runs:
+            self._dry_runs[key] = self._dry_run(overrides, probe_rank_coverage)
+        report, entry = self._dry_runs[key]
+        self.tried.append(entry)  # what this search's answer rests on, dry-run now or by an earlier search
+        self._cache[key] = report
+        return report
+
+    def _dry_run(self, overrides: dict[str, Any], probe_rank_coverage: float | None) -> tuple[dict | None, dict]:
+        from subnetdp.plan.report import plan_report
+
         try:
             cfg = with_overrides(self.cfg, **overrides)
             if probe_rank_coverage is not None:
@@ -125,19 +136,13 @@ class BudgetSearch:
             report = plan_report(cfg, self.world, self.pm, only_rank=0 if probe_rank_coverage is not None else None,
                                  flops=False)  # counted for the options alone (step_cost)
         except (PlanError, ConfigError) as e:
-            report = None
-            self.tried.append({"overrides": overrides, "probe": probe_rank_coverage, "invalid": str(e)})
+            return None, {"overrides": overrides, "probe": probe_rank_coverage, "invalid": str(e)}
         except (ValueError, RuntimeError) as e:
             # A remedy the model cannot train with (BatchNorm at a micro-batch of 1): not an option.
-            report = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            self.tried.append({"overrides": overrides, "probe": probe_rank_coverage,
-                               "invalid": f"the dry run fails: {first}"})
-        if report is not None:
-            peaks = [r["peak_memory_bytes"] for r in report["ranks"] if "peak_memory_bytes" in r]
-            self.tried.append({"overrides": overrides, "probe": probe_rank_coverage, "max_peak_bytes": max(peaks)})
-        self._cache[key] = report
-        return report
+            return None, {"overrides": overrides, "probe": probe_rank_coverage, "invalid": f"the dry run fails: {first}"}
+        peaks = [r["peak_memory_bytes"] for r in report["ranks"] if "peak_memory_bytes" in r]
+        return report, {"overrides": overrides, "probe": probe_rank_coverage, "max_peak_bytes": max(peaks)}
 
     def flops(self, coverage: float) -> dict[str, Any]:
         """The FLOP report (:func:`~subnetdp.plan.report.flop_report`) of the plan at ``coverage``."""
@@ -252,10 +257,10 @@ def _option(search: BudgetSearch, label: str, overrides: dict[str, Any], coverag
 
 
 def budget_search(cfg: DictConfig, world_size: int, pm: Any, budgets: list[int],
-                  margin: float = DEFAULT_MARGIN) -> dict[str, Any]:
+                  margin: float = DEFAULT_MARGIN, dry_runs: dict[tuple, Any] | None = None) -> dict[str, Any]:
     """The answer for ``budgets`` (bytes per rank), each less ``margin``: options that fit, best first,
-    the search, and remedies when nothing fits."""
-    search = BudgetSearch(cfg, world_size, pm)
+    the search, and remedies when nothing fits. ``dry_runs``: see :class:`BudgetSearch`."""
+    search = BudgetSearch(cfg, world_size, pm, dry_runs)
     usable = [int(b * (1 - margin)) for b in budgets]
     uniform = len(set(budgets)) == 1
     result: dict[str, Any] = {"budgets": budgets, "margin": margin, "usable": usable, "candidates": search.cands}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,11 +21,15 @@ from subnetdp.train import runlock, upfront
 from subnetdp.train.configure import load_config
 
 
-def train_command(recipe: str | None, overrides: list[str], print_config: bool = False) -> int:
-    """One training run in this process, or ``launch.nproc`` local workers when no launcher started it."""
+def train_command(recipe: str | None, overrides: list[str], print_config: bool = False,
+                  plugins_loaded: Callable[[], None] | None = None) -> int:
+    """One training run in this process, or ``launch.nproc`` local workers when no launcher started it.
+    ``plugins_loaded`` is called once the plugins are (the program's start-up imports are done)."""
     from subnetdp.launchers import detect
 
     pm = PluginManager()
+    if plugins_loaded is not None:
+        plugins_loaded()
     cfg = load_config(recipe, overrides, pm.registries)
     if print_config:
         from subnetdp.core.config import to_yaml

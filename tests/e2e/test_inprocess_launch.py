@@ -80,7 +80,7 @@ def test_a_stalled_worker_is_left_out_and_its_units_gain_an_owner_over_the_netwo
     # held with one other rank gain a new owner, which receives their values and optimizer state from the
     # surviving owner; the owners compare digests after every step (a wrong heal stops the run).
     proc = _run(tmp_path, "heal", "masker.min_owners=2", "recovery.verify_every=1", "launch.nproc=4",
-                "launch.on_failure=continue", "comm.timeout_s=8",
+                "launch.on_failure=continue", "comm.timeout_s=4",
                 env={faults.KILL_IN_UPDATE: "3", faults.KILL_SIGNAL: "STOP"})
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-3000:]

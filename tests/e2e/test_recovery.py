@@ -77,7 +77,9 @@ def _torchrun(tmp: Path, name: str, *extra: str, nproc: int = 4, env: dict | Non
 
 def _kill_stopped(tmp: Path) -> None:
     """SIGKILL the stopped (state T) processes of the job writing under ``tmp``."""
-    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
+    # -ww: without a terminal to size it by, ps cuts each line at 80 columns, before a worker's run.dir:
+    # nothing matched, and the agent's 30 s grace ran out instead (half of this test's time).
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
     for line in ps.splitlines():
         pid, stat, args = line.split(None, 2)
         if stat.startswith("T") and f"run.dir={tmp} " in args + " ":
@@ -189,7 +191,7 @@ def test_a_stalled_rank_is_named_and_the_survivors_resume_without_it(reference, 
     # silent rank, keep their units as of step 3; the stopped rank is SIGKILLed once named (torchrun's
     # agent would do it after 30 s more) and the agent restarts the group.
     proc = _torchrun(tmp_path, "stalled", "masker.min_owners=2", "checkpoint.every=0", "checkpoint.final=always",
-                     "comm.timeout_s=10", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"},
+                     "comm.timeout_s=4", env={ck.KILL_IN_SYNC: "4", ck.KILL_SIGNAL: "STOP"},
                      kill_stopped_after="rank 1 stopped answering")
     run = tmp_path / "stalled"
     assert ck.fault_marker(run, ck.KILL_IN_SYNC, 4, 1).exists()

@@ -84,3 +84,40 @@ def test_a_piped_run_prints_whole_log_lines_and_no_bar(tmp_path):
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d step ", ln) for ln in steps), steps
     assert [ln.split()[3] for ln in steps] == ["1", "2"]
     assert "\r" not in proc.stdout + proc.stderr  # no bar redrawn in place
+
+
+def test_the_program_ends_frozen_out_of_the_collector_and_main_in_a_test_process_does_not():
+    """Both ways of starting the program (the ``subnetdp`` script, ``python -m subnetdp``) end with what
+    is alive frozen out of the cycle collector, which spares every worker the shutdown's full
+    collections, and a training process imports with the collector paused; :func:`main`, called in this
+    long-lived process, freezes nothing."""
+    import gc
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "subnetdp"]
+    report = "import atexit, gc; atexit.register(lambda: print('frozen', gc.get_freeze_count()))"
+    starts = {"script": f"{report}; import sys; sys.argv = ['subnetdp', '--version']; "
+                        f"from {script.module} import {script.attr}; raise SystemExit({script.attr}())",
+              "-m": f"{report}; import runpy, sys; sys.argv = ['subnetdp', '--version']; "
+                    "runpy.run_module('subnetdp', run_name='__main__')"}
+    for how, code in starts.items():
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("subnetdp "), (how, proc.stderr[-2000:])
+        assert int(proc.stdout.split("frozen ")[-1]) > 0, (how, proc.stdout[-500:])
+    before = gc.get_freeze_count()
+    assert main(["recipes"]) == 0 and gc.get_freeze_count() == before
+    # `subnetdp train` imports torch and its plugins with the collector paused (they make no garbage), and
+    # it collects again once they are loaded (a long run's garbage is collected).
+    watch = ("import gc, sys; seen = []\n"
+             "from subnetdp.cli import program\n"
+             "gc.callbacks.append(lambda phase, info: phase == 'start' and seen.append("
+             "'subnetdp.plugins.models.resnet.adapter' in sys.modules))\n"
+             "code = program(['train', 'resnet18_digits', '--print-config'])\n"
+             "print('enabled', gc.isenabled(), 'before', seen.count(False), 'after', seen.count(True))\n"
+             "raise SystemExit(code)")
+    proc = subprocess.run([sys.executable, "-c", watch], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "masker:" in proc.stdout, proc.stderr[-2000:]
+    enabled, _, before, _, after = proc.stdout.split("enabled ")[-1].split()
+    assert (enabled, before) == ("True", "0") and int(after) > 0, proc.stdout[-300:]

@@ -96,14 +96,15 @@ def test_budget_search_uniform_and_per_rank():
     full, half, quarter = _peak(1.0), _peak(0.5), _peak(0.25)
     assert full > half > quarter
     budget = (full + half) // 2  # between the peaks of 2 and 4 of the 4 blocks
-    result = budget_search(cfg, 4, pm, [budget] * 4, margin=0)
+    dry_runs: dict = {}  # the three searches below share their dry runs: each candidate is dry-run once
+    result = budget_search(cfg, 4, pm, [budget] * 4, margin=0, dry_runs=dry_runs)
     assert result["fits"] and result["max_peak_bytes"] <= budget
     largest = result["options"][-1]  # after the whole model with a remedy, when one makes it fit
     assert largest["coverage"] in (0.5, 0.75) and largest["next_max_peak_bytes"] > budget
     if largest["coverage"] == 0.5:
         assert largest["max_peak_bytes"] == half  # the plan's own estimate for that coverage
     # Too small for any coverage: it says what would fit, each answer within the budget.
-    small = budget_search(cfg, 4, pm, [quarter - 1] * 4, margin=0)
+    small = budget_search(cfg, 4, pm, [quarter - 1] * 4, margin=0, dry_runs=dry_runs)
     assert not small["fits"] and small["would_fit"], small
     assert all(a["max_peak_bytes"] < quarter for a in small["would_fit"])
 
@@ -111,7 +112,7 @@ def test_budget_search_uniform_and_per_rank():
     # buckets a rank's gradients by other owner sets than the uniform plan, so leave a little room.
     room = (half - quarter) // 4
     budgets = [full, full, half + room, quarter + room]
-    het = budget_search(cfg, 4, pm, budgets, margin=0)
+    het = budget_search(cfg, 4, pm, budgets, margin=0, dry_runs=dry_runs)
     assert het["fits"], het
     assert het["capacity"] == [1.0, 1.0, 0.5, 0.25]
     report = het["report"]
@@ -120,6 +121,12 @@ def test_budget_search_uniform_and_per_rank():
     assert min(len(u["owners"]) for u in report["units"]) >= 1
     costs = [row["cost"] for row in report["ranks"]]
     assert report["cost_balance"] == pytest.approx(sum(costs) / len(costs) / max(costs)) and report["cost_balance"] < 1
+    # Each candidate was dry-run once for the three searches, and each search still lists every dry run
+    # its answer rests on (the whole model's, made by the first, in the second's too).
+    tried = [t for r in (result, small, het) for t in r["tried"]]
+    assert len(dry_runs) == len({(repr(sorted(t["overrides"].items())), t["probe"]) for t in tried}) < len(tried)
+    whole = {"masker.coverage": 1.0, "masker.capacity": []}
+    assert [t for t in small["tried"] if t["overrides"] == whole] == [t for t in result["tried"] if t["overrides"] == whole]
 
 
 def test_capacity_plans_keep_every_unit_owned_and_are_checked_by_name():
