@@ -72,6 +72,13 @@ class WentOn(Exception):
         super().__init__(f"going on from step {continued.step}")
         self.continued, self.ckpt, self.losses, self.full = continued, ckpt, losses, full
 
+    def without_frames(self) -> "WentOn":
+        """This, without the frames it was raised through (and the failure it was raised from): they
+        hold the segment's locals, among them the model the re-plan replaced, which the loop would
+        otherwise keep alive (its values and optimizer state) for the rest of the run."""
+        self.__traceback__ = self.__context__ = self.__cause__ = None
+        return self
+
 
 def why_not(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> Optional[str]:
     """Why this run cannot go on in-process (None: it can). The same on every rank but the last item."""

@@ -8,6 +8,7 @@ ranks must meet is marked ``# collective``.
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any, NamedTuple
 
@@ -72,13 +73,16 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     Under subnetdp's supervisor (``launch.on_failure=continue``) the survivors of a dead peer go on
     in-process (:mod:`subnetdp.train.continuation`): the loop starts again after the step they all
     finished, in the re-formed world."""
-    joined = join(ctx, state)  # collective for a replacement: the members heal it before its first step
-    went_on = WentOn(joined, joined.run, [], state.plan) if joined is not None else None
-    while True:
-        try:
-            return _train(ctx, state, stopper, went_on)
-        except WentOn as w:
-            ctx, went_on = w.continued.context, w
+    try:
+        joined = join(ctx, state)  # collective for a replacement: the members heal it before its first step
+        went_on = WentOn(joined, joined.run, [], state.plan) if joined is not None else None
+        while True:
+            try:
+                return _train(ctx, state, stopper, went_on)
+            except WentOn as w:
+                ctx, went_on = w.continued.context, w.without_frames()
+    finally:
+        gc.unfreeze()  # what _train froze is the collector's again (a process may train more than one run)
 
 
 def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: WentOn | None) -> RunResult:
@@ -114,6 +118,11 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
             if stopper is not None:
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
+            # Out of the collector's sight until the loop ends: everything alive now (the imports, the
+            # model, the optimizer) lives for the run. A full collection scanned it all (~370k objects:
+            # 0.1-0.8 s on a loaded machine, measured), a pause every rank waited for at the next
+            # collective, and the allocations of a set-up or a re-plan made one due within the next steps.
+            gc.freeze()
             for step in range(first, steps + 1):
                 log_step = step % cfg.train.log_every == 0 or step == steps
                 state.synchronizer.prepare()  # drops the last step's gradients: before the memory baseline is taken
