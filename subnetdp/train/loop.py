@@ -8,7 +8,6 @@ ranks must meet is marked ``# collective``.
 
 from __future__ import annotations
 
-import gc
 import sys
 from typing import Any, NamedTuple
 
@@ -27,7 +26,7 @@ from subnetdp.train.meter import Meter
 from subnetdp.train.owner_check import OwnerCheck
 from subnetdp.train.rejoin import JoinFailed, grow, join, join_due
 from subnetdp.train.report import reporting, summarise
-from subnetdp.train.setup import set_threads, setup
+from subnetdp.train.setup import freeze_lasting, frozen_while_training, set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
 from subnetdp.train.stopping import (REQUEUE_SIGNAL, Interrupted, StopRequest, continue_command, hold_for_test, requeue_job,
                                      stop_message)
@@ -73,7 +72,7 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     Under subnetdp's supervisor (``launch.on_failure=continue``) the survivors of a dead peer go on
     in-process (:mod:`subnetdp.train.continuation`): the loop starts again after the step they all
     finished, in the re-formed world."""
-    try:
+    with frozen_while_training():
         joined = join(ctx, state)  # collective for a replacement: the members heal it before its first step
         went_on = WentOn(joined, joined.run, [], state.plan) if joined is not None else None
         while True:
@@ -81,24 +80,6 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
                 return _train(ctx, state, stopper, went_on)
             except WentOn as w:
                 ctx, went_on = w.continued.context, w.without_frames()
-    finally:
-        gc.unfreeze()  # what _train froze is the collector's again (a process may train more than one run)
-
-
-def freeze_lasting(replanned: bool) -> None:
-    """Put everything alive now (the imports, the model, the optimizer: it lives for the run) out of the
-    cycle collector's sight until the loop ends. A full collection scanned it all (~370k objects: 0.1-0.8 s
-    on a loaded machine, measured), a pause every rank waited for at the next collective, and the
-    allocations of a set-up or a re-plan made one due within the next steps.
-
-    ``replanned``: a re-plan (a death, a join) replaced the model. What it replaced may be cyclic garbage
-    among the frozen objects, which no collection reaches (after a join the W-1 model sat in a cycle):
-    one full collection, the same moment on every rank, frees it before the rest is frozen again.
-    """
-    if replanned:
-        gc.unfreeze()
-        gc.collect()
-    gc.freeze()
 
 
 def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went_on: WentOn | None) -> RunResult:

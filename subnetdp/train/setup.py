@@ -9,11 +9,13 @@ process, before any worker starts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -243,3 +245,29 @@ def lock_run_dir(run_dir: Path, comm: Communicator) -> RunLock | None:
     if error:
         raise RunLockedError(error)
     return lock
+
+
+@contextlib.contextmanager
+def frozen_while_training() -> Iterator[None]:
+    """The loop's span: what :func:`freeze_lasting` froze is the collector's again when it ends (a process
+    may train more than one run)."""
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def freeze_lasting(replanned: bool) -> None:
+    """Put everything alive now (the imports, the model, the optimizer: it lives for the run) out of the
+    cycle collector's sight until the loop ends. A full collection scanned it all (~370k objects: 0.1-0.8 s
+    on a loaded machine, measured), a pause every rank waited for at the next collective, and the
+    allocations of a set-up or a re-plan made one due within the next steps.
+
+    ``replanned``: a re-plan (a death, a join) replaced the model. What it replaced may be cyclic garbage
+    among the frozen objects, which no collection reaches (after a join the W-1 model sat in a cycle):
+    one full collection, the same moment on every rank, frees it before the rest is frozen again.
+    """
+    if replanned:
+        gc.unfreeze()
+        gc.collect()
+    gc.freeze()

@@ -137,7 +137,7 @@ def _plan(path: Path) -> MaskPlan:
 def test_a_re_plan_frees_what_it_replaced_even_in_a_cycle_among_frozen_objects():
     # After a join the W-1 model sat in a reference cycle; frozen, no collection would ever free it, and every
     # member would hold two models for the rest of the run.
-    from subnetdp.train.loop import freeze_lasting
+    from subnetdp.train.setup import freeze_lasting
 
     class Model:
         pass
