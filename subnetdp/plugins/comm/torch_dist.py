@@ -359,7 +359,7 @@ class TorchDistCommunicator(Communicator):
             self._guarded("send_recv", None, work.wait)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        if self._membership is not None or self._job_store is not None:
+        if self._watched:
             # Re-formed groups are torch's objects alone; supervised, every wait must watch the store (a
             # survivor two hops from a dead rank in torch's blocking gather would wait out comm.timeout_s
             # and miss the survivors' agreement: measured, a death inside the optimizer update left one out).
@@ -367,6 +367,11 @@ class TorchDistCommunicator(Communicator):
         out: list[Any] = [None] * self.world_size
         self._guarded("all_gather_object", None, lambda: dist.all_gather_object(out, obj))
         return out
+
+    @property
+    def _watched(self) -> bool:
+        """Whether gathers and barriers go through watched all-reduces (re-formed, or under the supervisor)."""
+        return self._membership is not None or self._job_store is not None
 
     def _gather_pickled(self, obj: Any) -> list[Any]:
         """``all_gather_object`` through two watched all-reduces: the lengths first, then the padded bytes."""
@@ -380,7 +385,7 @@ class TorchDistCommunicator(Communicator):
         return [pickle.loads(buf[r, :int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
 
     def barrier(self) -> None:
-        if self._membership is not None or self._job_store is not None:  # watched, as all_gather_object
+        if self._watched:  # as all_gather_object
             self.all_reduce(torch.zeros(1), self.world)  # collective: every rank of the world
             return
         self._guarded("barrier", None, dist.barrier)
