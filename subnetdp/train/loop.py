@@ -115,7 +115,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
             if stopper is not None:
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
-            freeze_lasting(replanned=went_on is not None)
+            freeze_lasting()
             for step in range(first, steps + 1):
                 log_step = step % cfg.train.log_every == 0 or step == steps
                 state.synchronizer.prepare()  # drops the last step's gradients: before the memory baseline is taken
