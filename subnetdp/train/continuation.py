@@ -7,7 +7,7 @@ again among them, and the training state re-plans through its one path (``TrainS
 
 - **units**: ``plan.without(members, masker.min_owners)``: every unit keeps its surviving owners, a unit
   left below ``masker.min_owners`` gains the survivor with the fewest units, which receives the unit's
-  values and optimizer state from the lowest surviving owner over the network (never from disk);
+  values and optimizer state from a surviving owner over the network (never from disk);
 - **buffers** (BatchNorm statistics): each piece the mean of its surviving owners' copies;
 - **data**: the sampler is split again over the survivors at the step they all finished, by samples
   seen, and every rank re-seeds from ``seed + step``; the global batch becomes the survivors' batches;
@@ -160,39 +160,40 @@ class LiveReader:
     def file_of(self, key: str, rank: Any = None) -> Any:
         return _Copies(self.rank, {})
 
-    def exchange(self, state: "TrainState", before: MaskPlan, after: MaskPlan, absent: Any = ()) -> int:
-        """Every piece a rank gains comes from its lowest surviving owner, and every buffer copy a new
-        holder's mean needs from its owner: one message per (source, receiver) pair, the pieces it
-        carries packed in global order into one buffer (``_pack``), sent point to point. A rank that
-        gains nothing receives nothing; a source stages at most the bytes it sends (one buffer per
-        receiver); a receiver's buffer holds only what it gains, and its pieces stay views of it.
-        ``absent``: ranks of ``before`` that hold nothing yet (a newcomer): they gain the shared
-        tensors too and are nobody's source. Returns the pieces that changed hands; ``moved`` the
-        bytes sent by all ranks. Collective: every member, with the same plans."""
+    def exchange(self, state: "TrainState", before: MaskPlan, after: MaskPlan, absent: Any = (),
+                 also: Any = None) -> tuple[int, list[Any]]:
+        """Every piece a rank gains comes from one of its surviving owners (they hold it bit for bit: the
+        one with the least to send so far, so a newcomer's share comes from every member at once), and
+        every buffer copy a new holder's mean needs from its owner: one message per (source, receiver)
+        pair, the pieces and copies it carries packed in global order into one buffer (``_pack``), sent
+        point to point. A rank that gains nothing receives nothing; a source stages at most the bytes it
+        sends (one buffer per receiver); a receiver's buffer holds only what it gains, and its pieces stay
+        views of it. ``absent``: ranks of ``before`` that hold nothing yet (a newcomer): they gain the
+        shared tensors too and are nobody's source. ``also``: anything else every rank should see of this
+        one (it rides in the gather of what the pieces hold). Returns the pieces that changed hands and
+        every rank's ``also``; ``moved`` the bytes sent by all ranks. Collective: every member, with the
+        same plans."""
         comm, partition, rank, absent = state.context.comm, state.partition, self.rank, set(absent)
         sends: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
-        moving = []
+        moving, load = [], {}  # load: source -> bytes of values it sends so far (the same figures on every rank)
         for it in global_items(partition, before):
             owners = [r for r in it.owners if r not in absent]
             gainers = set(after.owners(it.unit)) - set(owners) if it.unit is not None else absent
             if not gainers:
                 continue
-            key = units.item_key(it)
-            moving.append((key, owners[0], sorted(gainers)))
-            if rank == owners[0]:
+            key, src = units.item_key(it), min(owners, key=lambda r: (load.get(r, 0), r))
+            load[src] = load.get(src, 0) + _span(it.shape, partition.dtypes[it.name]) * len(gainers)
+            moving.append((key, src, sorted(gainers)))
+            if rank == src:
                 sends[key] = [(n, tuple(self.pieces[n].shape), str(self.pieces[n].dtype).removeprefix("torch."))
                               for n in self.names.get(key, ())]
-        table: dict[str, Any] = {}
-        for part in comm.all_gather_object(sends):  # collective: what each sender's pieces hold
-            table.update(part)
-        pieces = _Messages(rank)
+        gathered = comm.all_gather_object((sends, also))  # collective: what each source's pieces hold
+        table: dict[str, Any] = {k: v for part, _ in gathered for k, v in part.items()}
+        messages = _Messages(rank)
         for key, src, gainers in moving:
             for name, shape, dtype in table[key]:
                 for dst in gainers:
-                    pieces.add(src, dst, name, shape, getattr(torch, dtype), lambda n=name: self.pieces[n])
-        for name, t in pieces.swap(comm):  # collective: every source and every gainer
-            self._add(name, t)
-        copies = _Messages(rank)
+                    messages.add(src, dst, ("piece", name), shape, getattr(torch, dtype), lambda n=name: self.pieces[n])
         for it in global_items(partition, before, buffers=True):
             holders = set(after.owners(it.unit)) if it.unit is not None else set(it.owners)
             owners = [r for r in it.owners if r not in absent]
@@ -201,12 +202,15 @@ class LiveReader:
             key = units.item_key(it)
             for src in sources:
                 for dst in sorted(holders - {src}):  # only a holder other than the source reads this copy
-                    copies.add(src, dst, (src, key), it.shape, partition.dtypes[it.name],
-                               lambda k=key: self.copies[rank][k])
-        for (src, key), t in copies.swap(comm):  # collective: every owner and every holder of a changed buffer
-            self.copies.setdefault(src, {})[key] = t
-        self.moved = pieces.nbytes + copies.nbytes
-        return len(moving)
+                    messages.add(src, dst, ("copy", src, key), it.shape, partition.dtypes[it.name],
+                                 lambda k=key: self.copies[rank][k])
+        for tag, t in messages.swap(comm):  # collective: every source and every receiver of a piece or a copy
+            if tag[0] == "piece":
+                self._add(tag[1], t)
+            else:
+                self.copies.setdefault(tag[1], {})[tag[2]] = t
+        self.moved = messages.nbytes
+        return len(moving), [a for _, a in gathered]
 
 
 _ALIGN = 64  # bytes: each packed tensor starts aligned, so a view of it in the buffer has any dtype's alignment
@@ -294,12 +298,12 @@ class SurvivorsPieces:
             return
         comm = state.context.comm
         with comm.bytes.phase("heal"):
-            self.gained = self.reader.exchange(state, self.before, after, self.absent)  # collective
+            # A join's newcomer also learns where the run stands, from the members' (all alike).
+            mine = None if not self.absent or self.step is None else (self.step, self.optimizer, self.schedule,
+                                                                          self.position, self.run)
+            self.gained, theirs = self.reader.exchange(state, self.before, after, self.absent, also=mine)  # collective
             if self.absent:
-                mine = None if self.step is None else (self.step, self.optimizer, self.schedule, self.position, self.run)
-                # collective: every member; the newcomer learns where the run stands
-                theirs = next(m for m in comm.all_gather_object(mine) if m is not None)
-                self.step, self.optimizer, self.schedule, self.position, self.run = theirs
+                self.step, self.optimizer, self.schedule, self.position, self.run = next(m for m in theirs if m is not None)
         self.fetched = True
 
     def load(self, state: "TrainState", previous: Optional["Holding"]) -> int:

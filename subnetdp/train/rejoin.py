@@ -8,8 +8,8 @@ formed again with the newcomer under the join's own store prefix, and the state 
 one path (``TrainState.regroup``) back to the W-rank plan the job had before the death:
 
 - **units**: the newcomer holds exactly the units of the rank it replaces; every unit it owns comes
-  from the unit's lowest current owner, values and optimizer state, by broadcast (never from disk),
-  and the shared tensors from the lowest member. A unit that gained an owner at W-1
+  from one of the unit's current owners, values and optimizer state, point to point (never from disk),
+  and the shared tensors from the members. A unit that gained an owner at W-1
   (``masker.min_owners``) loses it again: the W-rank plan is the one every unit was trained under
   before the death, so the run is again the job it was (a stop at the join step resumed at W);
 - **buffers**: each piece the mean of its current owners' copies, on every holder alike;
