@@ -65,12 +65,14 @@ class Continued:
 class WentOn(Exception):
     """The world was re-formed in-process (a death, or a join): the loop trains on from ``continued``.
 
-    ``ckpt``: the checkpointer to adopt (run id, lineage, losses no row holds); ``full``: the W-rank plan
-    the job had before any death (a join returns to it)."""
+    ``ckpt``: the checkpointer to adopt (run id, lineage, losses no row holds); ``handover``: what the
+    reporter and meter of the world before counted (``report.Handover``: losses since the last row, what
+    was consumed, bytes by owner group in worker ids); ``full``: the W-rank plan the job had before any
+    death (a join returns to it)."""
 
-    def __init__(self, continued: Continued, ckpt: Any, losses: list[float], full: MaskPlan) -> None:
+    def __init__(self, continued: Continued, ckpt: Any, handover: Any, full: MaskPlan) -> None:
         super().__init__(f"going on from step {continued.step}")
-        self.continued, self.ckpt, self.losses, self.full = continued, ckpt, losses, full
+        self.continued, self.ckpt, self.handover, self.full = continued, ckpt, handover, full
 
     def without_frames(self) -> "WentOn":
         """This, without the frames it was raised through (and the failure it was raised from): they

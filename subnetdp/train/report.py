@@ -13,6 +13,7 @@ values that differ by rank under ``RUN_DIR/tensorboard/rank_{r}``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -26,78 +27,28 @@ from subnetdp.core.contracts import RunContext, RunResult
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.train.failures import stamp
 from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
+from subnetdp.train.runlog import RunLogger
 
 if TYPE_CHECKING:
+    from subnetdp.train.checkpoints.checkpointer import Checkpointer
     from subnetdp.train.checkpoints.unlogged import Carried
     from subnetdp.train.evaluation import Evaluation
     from subnetdp.train.state import TrainState
 
 
-class RunLogger:
-    """Writes a run's ``metrics.jsonl`` and TensorBoard events.
+@dataclasses.dataclass(frozen=True)
+class Handover:
+    """What the reporter and meter of a re-formed world (a death, a join) take over from the world
+    before, on every rank (whichever becomes rank 0 writes the log). Empty for a newcomer.
 
-    Rank 0 writes the global series to ``RUN_DIR/tensorboard``; every rank writes the values that
-    differ by rank (memory, bytes, step time, its local loss) to ``RUN_DIR/tensorboard/rank_{r}``,
-    so TensorBoard shows one curve per rank under the same tag.
+    ``consumed``: (step, samples or tokens seen, FLOPs) at the last finished step; ``groups``: payload
+    bytes and steps by owner group in worker ids (:meth:`Meter.worker_group_bytes`); ``world_size``: the
+    world before's. (Each rank's losses no row holds yet are its checkpointer's, which the next adopts.)
     """
 
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
-        self.run_dir = run_dir
-        self.rank = rank
-        self.global_writer = None
-        self.rank_writer = None
-        self._jsonl = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            tb = run_dir / "tensorboard"
-            if rank == 0:
-                self.global_writer = SummaryWriter(str(tb))
-            self.rank_writer = SummaryWriter(str(tb / f"rank_{rank}"))
-        if rank == 0:
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-
-    def scalars(self, step: int, values: dict[str, float], per_rank: bool = False) -> None:
-        writer = self.rank_writer if per_rank else self.global_writer
-        if writer is None:
-            return
-        for k, v in values.items():
-            if v is not None:
-                writer.add_scalar(k, float(v), step)
-
-    def jsonl(self, record: dict[str, Any]) -> None:
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-
-    def text(self, tag: str, text: str) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_text(tag, text, 0)
-
-    def histogram(self, tag: str, values: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            import numpy as np
-
-            values = np.asarray(values)
-            # One bin per integer value: owner counts are small integers.
-            self.global_writer.add_histogram(tag, values, step, bins=np.arange(values.min(), values.max() + 2) - 0.5)
-
-    def figure(self, tag: str, fig: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_figure(tag, fig, step)
-
-    def image(self, tag: str, img: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_image(tag, img, step, dataformats="HW")
-
-    def close(self) -> None:
-        for w in (self.global_writer, self.rank_writer):
-            if w is not None:
-                w.flush()
-                w.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        self.global_writer = self.rank_writer = self._jsonl = None
+    consumed: tuple[int, float, float] | None = None
+    groups: Any = None
+    world_size: int = 0
 
 
 class Reporter:
@@ -126,8 +77,9 @@ class Reporter:
         self.seen_unit = "tokens" if ctx.spec.seq_len else "samples"
         self.seen_per_step = samples * (ctx.spec.seq_len or 1)
         self.flops_per_step = ctx.step_flops
-        # A resumed run (perhaps on another world size or plan) goes on from what its log last counted.
-        self.base = consumed_before(ctx.run_dir / "metrics.jsonl", meter.first - 1) if ctx.rank == 0 else (0, 0.0, 0.0)
+        # A resumed run (perhaps on another world size or plan) goes on from what its log last counted;
+        # every rank counts, as any of them may be rank 0 of a world re-formed after a death.
+        self.base = consumed_before(ctx.run_dir / "metrics.jsonl", meter.first - 1)
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
@@ -219,9 +171,52 @@ class Reporter:
         else:
             print(f"{stamp()} {line}", flush=True)
 
+    def handover(self, ctx: RunContext, step: int) -> Handover:
+        """What the next world's reporter and meter take over when the world re-forms after ``step``."""
+        since, seen, flops = self.base
+        counts = (step, seen + (step - since) * self.seen_per_step,
+                  flops + (step - since) * (self.flops_per_step or 0.0))
+        return Handover(counts, self.meter.worker_group_bytes(finished=True), ctx.world_size)
+
+    def take_over(self, ctx: RunContext, state: "TrainState", was: Handover, ckpt: "Checkpointer") -> None:
+        """Go on from the world before (``was``: its :meth:`handover`; every member and a newcomer call
+        this at the first step boundary of the new world). Its counts of what was consumed and its bytes by
+        group go on. This rank's losses no row holds (its checkpointer's, kept since the last row, the step
+        the world re-formed after among them even when the death came before the reporter heard of it)
+        join the next row; when that step is a log step whose row is not in the log (a death between the
+        update and the row), the survivors write it now from them, marked ``"recovered"`` (the dead
+        ranks' are gone). Collective on a log step: one reduction."""
+        step = state.step
+        if was.consumed is not None:
+            self.base = was.consumed
+        self.meter.take_over(was.groups)
+        owed = ckpt.unlogged.upto(step, state.progress)
+        if not (step % self.log_every == 0 or step == self.steps):
+            for s, loss in owed.items():  # the step in progress's too, should another death come before the row
+                ckpt.unlogged.note(s, loss)
+            self.losses[:0] = list(owed.values())  # they join the next row's mean
+            return
+        mine = list(owed.values())
+        comm = ctx.comm
+        tally = torch.tensor([sum(mine), float(len(mine))], dtype=torch.float64, device=comm.device)
+        with comm.bytes.phase("log"):
+            comm.all_reduce(tally, comm.world).wait()  # collective: every rank of the new world, once
+        ckpt.mark_logged(step)  # the row holds every survivor's losses of it, written before or now
+        # Only rank 0 writes, and its log says whether the row is there (rank 0 of the world before may
+        # have died after writing it).
+        if ctx.rank == 0 and tally[1] > 0 and last_row(ctx.run_dir / "metrics.jsonl") < step:
+            mark = {"ranks": list(self.meter.workers), "world_size": was.world_size,
+                    "steps": sorted(owed)}
+            record = {"step": step, "train/loss": float(tally[0] / tally[1]),
+                      "train/lr": state.optimizer.param_groups[0]["lr"], **self.consumed(step), "recovered": mark}
+            self.log.scalars(step, {"train/loss": record["train/loss"], "train/lr": record["train/lr"]})
+            self.log.jsonl(record)
+            self.by_consumed(step, {"train_loss": record["train/loss"]})
+
     def consumed(self, step: int) -> dict[str, float]:
         """What the world has consumed after ``step`` steps: ``train/{tokens,samples}_seen``, ``train/flops``
-        (from the last counts logged before a resume, at this world's and plan's rate since)."""
+        (from the last counts logged before a resume, or handed over by the world before a re-formation,
+        at this world's and plan's rate since)."""
         since, seen, flops = self.base
         out = {f"train/{self.seen_unit}_seen": seen + (step - since) * self.seen_per_step}
         if self.flops_per_step is not None:
@@ -312,6 +307,19 @@ def consumed_before(metrics: Path, step: int) -> tuple[int, float, float]:
     return best
 
 
+def last_row(metrics: Path) -> int:
+    """The step of the last training row in ``metrics.jsonl`` (0: none)."""
+    if not metrics.is_file():
+        return 0
+    rows = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    return max((r["step"] for r in rows if "train/loss" in r and isinstance(r.get("step"), int)), default=0)
+
+
 def show_bar(progress: bool | None) -> bool:
     """``train.progress``: null (the default) shows the bar only when stderr (where tqdm writes) is a
     terminal, so piped and batch-job logs get whole lines instead of carriage-return updates."""
@@ -337,7 +345,8 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
         _DRAWN.add(drawn)
         log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
         log.image("plan/ownership_matrix", plan.as_image())
-    log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
+    # At the step the plan holds from: a re-planned world's figures follow the first's.
+    log.scalars(state.step, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
                     **({"plan/node_failures_survived": plan_dict["node_failures_survived"]} if "nodes" in plan_dict else {})})
     counts = plan.owner_counts()
     log.histogram("plan/owner_counts", counts)  # how many units have k owners; the unit is not a step
@@ -361,7 +370,7 @@ def summarise(ctx: RunContext, state: "TrainState", meter: Meter, done: int, eva
             "memory_measured_by": "cuda allocator" if ctx.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
             "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": plan.owned[ctx.rank],
-            "bytes_by_group": bytes_by_group(meter.group_bytes(), max(state.step, 1)),
+            "worker": meter.workers[ctx.rank], "bytes_by_group": bytes_by_group(*meter.worker_group_bytes()),
             "bytes_by_phase": meter.phase_bytes(),
             "params_sha256": digest, **parallel.describe(), **sync.describe(),
             "fsdp_bytes_per_step": dict(parallel.fsdp_by_kind), "sync": "dense" if sync.dense else "grouped"}
