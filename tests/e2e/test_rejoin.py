@@ -52,7 +52,15 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert "owners disagree" not in console, console[-4000:]  # every step's digests agreed, after the join too
     steps = _steps(run)
     assert steps == sorted(set(steps)) and steps[-1] == 8, steps  # no step logged twice, the run ended
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 4
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    # What was trained, across the three worlds: steps 1-2 at W=4, 3-5 at W=3, 6-8 at W=4 again (batch 4).
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/samples_seen"] for r in rows if r.get("step") == 8 and "train/loss" in r] == [2 * 16 + 3 * 12 + 3 * 16]
+    # Bytes by owner group in worker ids (the replacement is worker 4, in rank 1's place), each over its world's steps.
+    mine = summary["ranks"][0]["bytes_by_group"]
+    assert (mine["0-1-2-3"]["steps"], mine["0-2-3"]["steps"], mine["0-2-3-4"]["steps"]) == (2, 3, 3), mine
+    assert summary["ranks"][1]["worker"] == 4 and {g["steps"] for g in summary["ranks"][1]["bytes_by_group"].values()} == {3}
 
     # The final checkpoint is of the W-rank plan the job started with, and holds the newcomer's share. Each
     # piece is written once (by one of its owners), so the owners' equality is the digests' above: values and
