@@ -109,7 +109,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
     with reporting(ctx, meter) as reporter:  # the built-in reporter: progress, log lines, TensorBoard, summary.json
         try:
             hook.subnetdp_on_run_start(context=ctx, state=state)
-            reporter.carry_over(ctx, state, ckpt.carried)  # a step the survivors finished and nobody logged
+            reporter.carry_over(ctx, state, ckpt)  # the counts a resume goes on from; a step nobody logged
             if went_on is not None:  # collective on a log step: the world before's losses, counts and bytes go on
                 reporter.take_over(ctx, state, went_on.handover, ckpt)
             if stopper is not None:

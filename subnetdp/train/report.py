@@ -31,7 +31,6 @@ from subnetdp.train.runlog import RunLogger
 
 if TYPE_CHECKING:
     from subnetdp.train.checkpoints.checkpointer import Checkpointer
-    from subnetdp.train.checkpoints.unlogged import Carried
     from subnetdp.train.evaluation import Evaluation
     from subnetdp.train.state import TrainState
 
@@ -146,11 +145,22 @@ class Reporter:
         elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines,
             print(f"{stamp()} {line}", flush=True)  # timestamped, so a job's log says when each step ended
 
-    def carry_over(self, ctx: RunContext, state: "TrainState", carried: "Carried | None") -> None:
-        """Rank 0 of a run resumed from survivors' files: the losses its log owes
+    def carry_over(self, ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> None:
+        """What a resumed run's log goes on from. Every checkpoint records what the run had consumed by
+        its step (``ckpt.consumed``), and a run resumed from one counts on from there (a resume in another
+        run directory, or at another world size, has no row of the steps before to read it from).
+        Rank 0 of a run resumed from survivors' files: the losses its log owes
         (:mod:`subnetdp.train.checkpoints.unlogged`). A log step gets its row now, marked
         ``"recovered"`` with the ranks whose losses it averages; otherwise they join the next row's mean
         (marked the same way: the dead ranks' losses of those steps are gone)."""
+        ckpt.consumed = self.counts
+        if ckpt.resumed is not None:
+            from subnetdp.train.checkpoints.files import read_manifest
+
+            counts = read_manifest(ckpt.resumed).get("consumed")
+            if counts is not None:  # checkpoints of earlier releases lack it: the log's last row then
+                self.base = (int(counts[0]), float(counts[1]), float(counts[2]))
+        carried = ckpt.carried
         if carried is None:
             return
         step, ranks = carried.step, carried.ranks
@@ -171,12 +181,15 @@ class Reporter:
         else:
             print(f"{stamp()} {line}", flush=True)
 
+    def counts(self, step: int) -> list[float]:
+        """``[step, samples or tokens seen, FLOPs]`` by ``step`` (a checkpoint records them)."""
+        since, seen, flops = self.base
+        return [step, seen + (step - since) * self.seen_per_step, flops + (step - since) * (self.flops_per_step or 0.0)]
+
     def handover(self, ctx: RunContext, step: int) -> Handover:
         """What the next world's reporter and meter take over when the world re-forms after ``step``."""
-        since, seen, flops = self.base
-        counts = (step, seen + (step - since) * self.seen_per_step,
-                  flops + (step - since) * (self.flops_per_step or 0.0))
-        return Handover(counts, self.meter.worker_group_bytes(finished=True), ctx.world_size)
+        step_, seen, flops = self.counts(step)
+        return Handover((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size)
 
     def take_over(self, ctx: RunContext, state: "TrainState", was: Handover, ckpt: "Checkpointer") -> None:
         """Go on from the world before (``was``: its :meth:`handover`; every member and a newcomer call

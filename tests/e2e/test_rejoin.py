@@ -79,6 +79,8 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert "(step 5) on a new plan" in again.stdout, again.stdout[-3000:]  # the W=3 checkpoint, re-planned at W
     resumed = json.loads((tmp_path / "resumed" / "checkpoints" / "step_00000008" / "MANIFEST.json").read_text())
     assert resumed["plan_digest"] == final["plan_digest"]  # the W-rank plan: the config's, as the join's
+    # In its own run directory, it counts on from what the W=3 checkpoint says was trained by step 5.
+    assert resumed["consumed"][:2] == final["consumed"][:2] == [8, 2 * 16 + 3 * 12 + 3 * 16], resumed["consumed"]
     shutil.rmtree(at_join)  # the test's files stay small: only the two final checkpoints are compared
     a = _tensors(run / "checkpoints" / "step_00000008")
     b = _tensors(tmp_path / "resumed" / "checkpoints" / "step_00000008")
