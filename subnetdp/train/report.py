@@ -193,34 +193,35 @@ class Reporter:
 
     def take_over(self, ctx: RunContext, state: "TrainState", was: Handover, ckpt: "Checkpointer") -> None:
         """Go on from the world before (``was``: its :meth:`handover`; every member and a newcomer call
-        this at the first step boundary of the new world). Its counts of what was consumed and its bytes by
-        group go on. This rank's losses no row holds (its checkpointer's, kept since the last row, the step
-        the world re-formed after among them even when the death came before the reporter heard of it)
-        join the next row; when that step is a log step whose row is not in the log (a death between the
-        update and the row), the survivors write it now from them, marked ``"recovered"`` (the dead
-        ranks' are gone). Collective on a log step: one reduction."""
-        step = state.step
-        if was.consumed is not None:
-            self.base = was.consumed
+        this at the first step boundary of the new world). Its counts of what was consumed (the members',
+        which a newcomer adopts: every checkpoint and survivor's file records them, and the survivors'
+        files of one step must agree) and its bytes by group go on. This rank's losses no row holds (its
+        checkpointer's, kept since the last row, the step the world re-formed after among them even when
+        the death came before the reporter heard of it) join the next row; when that step is a log step
+        whose row is not in the log (a death between the update and the row), the survivors write it
+        now from them, marked ``"recovered"`` (the dead ranks' are gone). Collective: one gather."""
+        step, comm = state.step, ctx.comm
         self.meter.take_over(was.groups)
         owed = ckpt.unlogged.upto(step, state.progress)
-        if not (step % self.log_every == 0 or step == self.steps):
+        log_step = step % self.log_every == 0 or step == self.steps
+        with comm.bytes.phase("log"):
+            # collective: every rank of the new world, once
+            theirs = comm.all_gather_object((was.consumed, list(owed.values()) if log_step else []))
+        counts = next((c for c, _ in theirs if c is not None), None)
+        if counts is not None:
+            self.base = (int(counts[0]), float(counts[1]), float(counts[2]))
+        if not log_step:
             for s, loss in owed.items():  # the step in progress's too, should another death come before the row
                 ckpt.unlogged.note(s, loss)
             self.losses[:0] = list(owed.values())  # they join the next row's mean
             return
-        mine = list(owed.values())
-        comm = ctx.comm
-        tally = torch.tensor([sum(mine), float(len(mine))], dtype=torch.float64, device=comm.device)
-        with comm.bytes.phase("log"):
-            comm.all_reduce(tally, comm.world).wait()  # collective: every rank of the new world, once
         ckpt.mark_logged(step)  # the row holds every survivor's losses of it, written before or now
+        losses = [loss for _, mine in theirs for loss in mine]
         # Only rank 0 writes, and its log says whether the row is there (rank 0 of the world before may
         # have died after writing it).
-        if ctx.rank == 0 and tally[1] > 0 and last_row(ctx.run_dir / "metrics.jsonl") < step:
-            mark = {"ranks": list(self.meter.workers), "world_size": was.world_size,
-                    "steps": sorted(owed)}
-            record = {"step": step, "train/loss": float(tally[0] / tally[1]),
+        if ctx.rank == 0 and losses and last_row(ctx.run_dir / "metrics.jsonl") < step:
+            mark = {"ranks": list(self.meter.workers), "world_size": was.world_size, "steps": sorted(owed)}
+            record = {"step": step, "train/loss": sum(losses) / len(losses),
                       "train/lr": state.optimizer.param_groups[0]["lr"], **self.consumed(step), "recovered": mark}
             self.log.scalars(step, {"train/loss": record["train/loss"], "train/lr": record["train/lr"]})
             self.log.jsonl(record)
