@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -62,17 +62,32 @@ class Continued:
     run: Any = None  # a newcomer's: the run id and lineage it goes on with, as ``Checkpointer.adopt`` reads them
 
 
+class Handover(NamedTuple):
+    """What the next world's checkpointer adopts of the last one's (``Checkpointer.adopt``): the run goes
+    on under its id and lineage, with the losses no row holds yet and the last checkpoint it saved."""
+
+    run_id: str
+    lineage: list[dict[str, Any]]
+    unlogged: Any  # checkpoints.unlogged.Unlogged
+    last_saved: Any  # Path | None
+
+    @classmethod
+    def of(cls, ckpt: Any) -> "Handover":
+        return cls(ckpt.run_id, ckpt.lineage, ckpt.unlogged, ckpt.last_saved)
+
+
 class WentOn(Exception):
     """The world was re-formed in-process (a death, or a join): the loop trains on from ``continued``.
 
-    ``ckpt``: the checkpointer to adopt (run id, lineage, losses no row holds); ``handover``: what the
-    reporter and meter of the world before counted (``report.Handover``: losses since the last row, what
-    was consumed, bytes by owner group in worker ids); ``full``: the W-rank plan the job had before any
-    death (a join returns to it)."""
+    ``ckpt``: the checkpointer whose run the next world's adopts (its :class:`Handover` is all that is
+    kept: the checkpointer itself holds the segment's model, which the loop would otherwise keep alive
+    beside the new one for the whole next segment); ``counted``: what the reporter and meter of the world
+    before counted (``report.Counted``: what was consumed, bytes by owner group in worker ids); ``full``:
+    the W-rank plan the job had before any death (a join returns to it)."""
 
-    def __init__(self, continued: Continued, ckpt: Any, handover: Any, full: MaskPlan) -> None:
+    def __init__(self, continued: Continued, ckpt: Any, counted: Any, full: MaskPlan) -> None:
         super().__init__(f"going on from step {continued.step}")
-        self.continued, self.ckpt, self.handover, self.full = continued, ckpt, handover, full
+        self.continued, self.ckpt, self.counted, self.full = continued, Handover.of(ckpt), counted, full
 
     def without_frames(self) -> "WentOn":
         """This, without the frames it was raised through (and the failure it was raised from): they

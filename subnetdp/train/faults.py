@@ -20,6 +20,9 @@ production run pays one ``os.environ.get`` per point. The names are part of what
   (``train/rejoin.py``; the newcomer fills the dead rank's place, so ``KILL_RANK`` names it too).
 - :data:`AWAIT_JOIN`: the members wait at this step's boundary until a replacement announced itself.
 - :data:`NO_SPACE_IN_ASSEMBLY`: ENOSPC while building a recovered step (:func:`no_space`).
+- :data:`MODELS_ALIVE` (a directory): each worker writes, at the start of every segment of its loop
+  (set-up, each continuation, a join), how many of the models its training state built are alive, and
+  how many it built (:func:`models_alive`): one alive, unless a re-plan left the one it replaced alive.
 - :data:`FLIP_BIT` (``STEP:RANK:UNIT[:BIT]``, comma-separated; UNIT a unit id or ``shared``; BIT 0 = the
   lowest, the default): flips that bit of the first value of the unit's first parameter piece on RANK
   after STEP, the silent corruption a faulty memory cell makes, for the owners' verification
@@ -35,6 +38,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -145,6 +149,28 @@ def await_join(step: int, waiting: Callable[[], bool], timeout_s: float) -> None
     deadline = time.monotonic() + timeout_s
     while not waiting() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+MODELS_ALIVE = "SUBNETDP_TEST_MODELS_ALIVE"
+_built: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_built_count = 0
+
+
+def track_model(model: torch.nn.Module) -> None:
+    """Test-only: remember (weakly) a model the training state built, when ``$MODELS_ALIVE`` is set."""
+    global _built_count
+    if os.environ.get(MODELS_ALIVE):
+        _built.add(model)
+        _built_count += 1
+
+
+def models_alive() -> None:
+    """Test-only: append ``ALIVE BUILT`` (of the models :func:`track_model` saw, those alive now and all of
+    them) to ``$MODELS_ALIVE/models-PID.txt``. Does nothing unless the variable is set."""
+    where = os.environ.get(MODELS_ALIVE)
+    if where:
+        with open(Path(where) / f"models-{os.getpid()}.txt", "a") as f:
+            f.write(f"{len(_built)} {_built_count}\n")
 
 
 def no_space(step: int, what: Path) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
 from subnetdp.core.contracts import RunContext
@@ -33,7 +32,7 @@ from subnetdp.core.errors import PeerLost, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.train import faults
 from subnetdp.train.checkpoints.unlogged import Unlogged
-from subnetdp.train.continuation import Continued, LiveReader, SurvivorsPieces, held_pieces
+from subnetdp.train.continuation import Continued, Handover, LiveReader, SurvivorsPieces, held_pieces
 
 if TYPE_CHECKING:
     from subnetdp.train.checkpoints.checkpointer import Checkpointer
@@ -149,6 +148,6 @@ def join(ctx: RunContext, state: "TrainState") -> Optional[Continued]:
     state.regroup(ctx, before, state.plan, source)
     assert source.step is not None and source.position is not None and source.run is not None
     # What Checkpointer.adopt takes of the members' checkpointer: the run goes on under its id and lineage.
-    run = SimpleNamespace(run_id=source.run["run_id"], lineage=source.run["lineage"], unlogged=Unlogged(), last_saved=None)
+    run = Handover(source.run["run_id"], source.run["lineage"], Unlogged(), None)
     return Continued(ctx, source.step, source.position, comm.world_size - 1, comm.origin,
                      time.monotonic() - start, source.gained, run)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class Handover:
+class Counted:
     """What the reporter and meter of a re-formed world (a death, a join) take over from the world
     before, on every rank (whichever becomes rank 0 writes the log). Empty for a newcomer.
 
@@ -186,13 +186,13 @@ class Reporter:
         since, seen, flops = self.base
         return [step, seen + (step - since) * self.seen_per_step, flops + (step - since) * (self.flops_per_step or 0.0)]
 
-    def handover(self, ctx: RunContext, step: int) -> Handover:
+    def counted(self, ctx: RunContext, step: int) -> Counted:
         """What the next world's reporter and meter take over when the world re-forms after ``step``."""
         step_, seen, flops = self.counts(step)
-        return Handover((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size)
+        return Counted((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size)
 
-    def take_over(self, ctx: RunContext, state: "TrainState", was: Handover, ckpt: "Checkpointer") -> None:
-        """Go on from the world before (``was``: its :meth:`handover`; every member and a newcomer call
+    def take_over(self, ctx: RunContext, state: "TrainState", was: Counted, ckpt: "Checkpointer") -> None:
+        """Go on from the world before (``was``: its :meth:`counted`; every member and a newcomer call
         this at the first step boundary of the new world). Its counts of what was consumed (the members',
         which a newcomer adopts: every checkpoint and survivor's file records them, and the survivors'
         files of one step must agree) and its bytes by group go on. This rank's losses no row holds (its

@@ -38,6 +38,7 @@ from subnetdp.sdp.union import scalable_branches
 from subnetdp.sdp.sync import GradSynchronizer, NonFiniteGuard, SyncSettings
 from subnetdp.sdp.sync import make_synchronizer
 from subnetdp.sdp.variants import regime_of
+from subnetdp.train import faults
 from subnetdp.train.faults import step_faults
 from subnetdp.train.optim import build_optimizer, build_schedule
 from subnetdp.train.stateful import ModelUnits, OptimizerUnits, Stateful
@@ -139,11 +140,20 @@ class TrainState(TrainStateView):
         synchroniser, refresher. Collective: FSDP's mesh (once) and the owner groups (the communicator
         keeps them, so a re-drawn plan of the family finds its groups made)."""
         ctx, cfg = self._ctx, self._ctx.cfg
-        self._model, self._pmap, self._plan = model, pmap, plan
+        self._model, self._pmap = model, pmap
+        self._units = tuple(plan.owned[ctx.rank])  # what the model holds (a re-formed world may keep it)
+        faults.track_model(model)  # test-only
         # collective when sharded: activation checkpointing, compile and FSDP, from outside the model.
         self._parallel.apply(model, ctx.adapter)
         self._optimizer = build_optimizer(cfg.optim, model.parameters())
         self._scheduler = build_schedule(cfg.optim, self._optimizer, ctx.steps, start=self._step)
+        self._synchronise(plan)
+
+    def _synchronise(self, plan: MaskPlan) -> None:
+        """The synchroniser (or the wrapper) and the refresher of the model under ``plan``. Collective:
+        every rank creates every owner group, in the same order (the communicator keeps them)."""
+        ctx, cfg, model, pmap = self._ctx, self._ctx.cfg, self._model, self._pmap
+        self._plan = plan
         sharded = self._parallel.sharding()
         self._wrapper: SubnetworkParallel | None = None
         if sharded is None and self._settings.mode != "local_steps" and not regime_of(cfg.masker).refreshes:
@@ -288,12 +298,16 @@ class TrainState(TrainStateView):
 
         ``ctx``: the run context in the survivors' numbering; ``before``: the plan as it stands,
         renumbered (``plan.without(members)``: this rank's model holds exactly its units); ``new_plan``:
-        the plan to go on with. The model, optimizer, schedule and synchroniser are rebuilt for the new
-        world (its owner groups are new) and filled from ``source``, as any re-plan is.
+        the plan to go on with. The synchroniser is rebuilt for the new world (its owner groups are new).
+        A rank whose model already holds exactly its units under ``new_plan`` (a survivor that gains and
+        loses none; a newcomer, built for its units at set-up) keeps its model, optimizer and schedule,
+        and the source loads into them in place; any other gets a new model, optimizer and schedule,
+        filled from ``source``, as any re-plan does. Either way a tensor left unfilled is an error.
         """
         self._detach()
+        keep = tuple(new_plan.owned[ctx.rank]) == self._units
         self._ctx, self._plan = ctx, before
-        self._replan(new_plan, source, rebuild=True)
+        self._replan(new_plan, source, rebuild=True, keep=keep)
 
     def replan(self, new_plan: MaskPlan, source: PieceSource) -> None:
         """Continue under ``new_plan``, with every piece's values from ``source``. Collective.
@@ -308,14 +322,18 @@ class TrainState(TrainStateView):
         """
         self._replan(new_plan, source, rebuild=new_plan.digest() != self._plan.digest())
 
-    def _replan(self, new_plan: MaskPlan, source: PieceSource, rebuild: bool) -> None:
+    def _replan(self, new_plan: MaskPlan, source: PieceSource, rebuild: bool, keep: bool = False) -> None:
         ctx, previous = self._ctx, None
         if rebuild:
             previous = Holding(self._model, self._pmap, self._plan)
             self._detach()  # the old model's gradients are nobody's business from now on
-            model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition, ctx.cfg.masker,
-                                      ctx.comm.device)
-            self._install(model, pmap, new_plan)
+            if keep:  # the same units in a new world: only the owner groups are new (regroup)
+                self._model.zero_grad(set_to_none=True)  # views into the old synchroniser's buckets
+                self._synchronise(new_plan)
+            else:
+                model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition,
+                                          ctx.cfg.masker, ctx.comm.device)
+                self._install(model, pmap, new_plan)
         step = source.load(self, previous)  # collective: every rank takes its pieces from the source
         if previous is not None:
             with self._parallel.gathered(self._model):  # collective when sharded

@@ -372,9 +372,9 @@ class Checkpointer:
             print(f"resumed from {choice['path']} (step {self.state.step}){how}", flush=True)
         return self.state.step
 
-    def adopt(self, previous: "Checkpointer") -> None:
-        """Go on with ``previous``'s run id, lineage and unlogged losses (an in-process continuation
-        makes a new checkpointer for the re-formed world; nothing is read from disk)."""
+    def adopt(self, previous: Any) -> None:
+        """Go on with the run id, lineage and unlogged losses of ``previous`` (the last world's
+        ``continuation.Handover``): an in-process continuation reads nothing from disk."""
         self.run_id, self.lineage, self.unlogged = previous.run_id, previous.lineage, previous.unlogged
         self.last_saved = previous.last_saved
 
