@@ -76,9 +76,11 @@ class Reporter:
         self.seen_unit = "tokens" if ctx.spec.seq_len else "samples"
         self.seen_per_step = samples * (ctx.spec.seq_len or 1)
         self.flops_per_step = ctx.step_flops
-        # A resumed run (perhaps on another world size or plan) goes on from what its log last counted;
-        # every rank counts, as any of them may be rank 0 of a world re-formed after a death.
-        self.base = consumed_before(ctx.run_dir / "metrics.jsonl", meter.first - 1)
+        # What was consumed by the step before the first: zeros for a new run; a resume's checkpoint or the
+        # world before a re-formation says (carry_over, take_over), else the log's last row, read when first
+        # needed (not in a re-formation's pause). Every rank counts: any may be rank 0 after a death.
+        self._base: tuple[int, float, float] | None = None if meter.first > 1 else (0, 0.0, 0.0)
+        self._log_before = (ctx.run_dir / "metrics.jsonl", meter.first - 1)
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
@@ -144,6 +146,17 @@ class Reporter:
             self.bar.write(line)
         elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines,
             print(f"{stamp()} {line}", flush=True)  # timestamped, so a job's log says when each step ended
+
+    @property
+    def base(self) -> tuple[int, float, float]:
+        """(step, samples or tokens seen, FLOPs) that :meth:`consumed` counts on from."""
+        if self._base is None:
+            self._base = consumed_before(*self._log_before)
+        return self._base
+
+    @base.setter
+    def base(self, counts: tuple[int, float, float]) -> None:
+        self._base = counts
 
     def carry_over(self, ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> None:
         """What a resumed run's log goes on from. Every checkpoint records what the run had consumed by
