@@ -23,14 +23,21 @@ class MaskPlan:
         world_size: number of ranks the plan is made for.
         owned: ``owned[r]`` = sorted unit ids of rank ``r``.
         num_units: K, the number of units in the partition.
-        nodes: how many nodes the ranks span (rank ``r`` on node ``r // (world_size // nodes)``); it
-            is not part of the digest: the same owners on another node layout are the same plan.
+        nodes: how many nodes the ranks span (rank ``r`` on node ``r // (world_size // nodes)``, unless
+            ``node_of`` says otherwise).
+        node_of: the node of each rank when the ranks do not split into equal nodes in that order:
+            after a death the survivors stay on their nodes (numbered as the job numbered them), so
+            ``nodes`` is then the number of nodes that hold a rank. Empty: the even split.
+
+    Neither ``nodes`` nor ``node_of`` is part of the digest: the same owners on another node layout
+    are the same plan.
     """
 
     world_size: int
     owned: list[list[int]]
     num_units: int
     nodes: int = 1
+    node_of: tuple[int, ...] = ()
     _owners: list[tuple[int, ...]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +51,9 @@ class MaskPlan:
                     raise PlanError(f"rank {r} owns unit {u}, but the partition has units 0..{self.num_units - 1}")
                 owners[u].append(r)
         self._owners = [tuple(o) for o in owners]
+        self.node_of = tuple(int(n) for n in self.node_of)
+        if self.node_of and (len(self.node_of) != self.world_size or len(set(self.node_of)) != self.nodes):
+            raise PlanError(f"node_of {list(self.node_of)} does not place {self.world_size} ranks on {self.nodes} node(s)")
 
     # ---------------------------------------------------------------- queries
     def owners(self, unit: int) -> tuple[int, ...]:
@@ -68,13 +78,14 @@ class MaskPlan:
         """
         if shard_size == 1:
             return self
-        return MaskPlan(self.world_size * shard_size, [self.owned[r // shard_size]
-                                                       for r in range(self.world_size * shard_size)], self.num_units,
-                        self.nodes)
+        ranks = range(self.world_size * shard_size)
+        return MaskPlan(self.world_size * shard_size, [self.owned[r // shard_size] for r in ranks], self.num_units,
+                        self.nodes, tuple(self.node_of[r // shard_size] for r in ranks) if self.node_of else ())
 
     def replicas(self, shard_size: int) -> "MaskPlan":
         """Inverse of :meth:`replicated`: the plan over the replicas (rank ``r * S`` of each)."""
-        return MaskPlan(self.world_size // shard_size, self.owned[::shard_size], self.num_units, self.nodes)
+        return MaskPlan(self.world_size // shard_size, self.owned[::shard_size], self.num_units, self.nodes,
+                        self.node_of[::shard_size])
 
     def without(self, members: Sequence[int], min_owners: int = 1) -> "MaskPlan":
         """The plan over the surviving ``members`` (old ranks, ascending; ``members[i]`` becomes rank i).
@@ -83,6 +94,9 @@ class MaskPlan:
         a unit left below ``min_owners`` gains the survivors with the fewest units (ties: the lowest
         rank), so at most the lost ranks' share of the model moves. Raises :class:`PlanError` when a
         unit has no surviving owner: nobody holds its values, the survivors' files must assemble it.
+
+        The survivors stay on their nodes: a plan over several nodes keeps each survivor's node
+        (``node_of``), and ``nodes`` counts the nodes that still hold one (1 after all but one were lost).
         """
         alive = sorted(int(r) for r in members)
         new_rank = {old: i for i, old in enumerate(alive)}
@@ -96,7 +110,18 @@ class MaskPlan:
                 gain = min((r for r in range(len(alive)) if r not in holders), key=lambda r: (len(owned[r]), r))
                 owned[gain].append(u)
                 holders.add(gain)
-        return MaskPlan(len(alive), owned, self.num_units)
+        if self.nodes == 1 and not self.node_of:  # a one-node plan stays one
+            return MaskPlan(len(alive), owned, self.num_units)
+        placed = self.rank_nodes()
+        node_of = tuple(placed[old] for old in alive)
+        return MaskPlan(len(alive), owned, self.num_units, len(set(node_of)), node_of)
+
+    def rank_nodes(self) -> tuple[int, ...]:
+        """The node of each rank: ``node_of``, or the even split over ``nodes`` (torchrun's numbering)."""
+        if self.node_of:
+            return self.node_of
+        per_node = max(1, self.world_size // self.nodes)
+        return tuple(r // per_node for r in range(self.world_size))
 
     def owner_counts(self) -> list[int]:
         return [len(o) for o in self._owners]
@@ -111,18 +136,22 @@ class MaskPlan:
         counts = self.owner_counts()
         return (min(counts) if counts else self.world_size) - 1
 
-    def node_failures_survived(self, nodes: int) -> int:
+    def node_failures_survived(self, nodes: int | None = None) -> int:
         """How many whole nodes may die at once, with ``nodes`` nodes of ``world_size // nodes`` ranks
-        each (rank ``r`` on node ``r // per_node``, as torchrun numbers them).
+        each (rank ``r`` on node ``r // per_node``, as torchrun numbers them); None: the plan's own
+        placement (:meth:`rank_nodes`: after a death, the survivors' nodes).
 
         A node is the usual unit of failure on a cluster: a unit whose owners share one node is lost
         with it, however many owners it has. ``min_u (distinct nodes of u's owners) - 1``.
         """
-        if nodes < 1 or self.world_size % nodes:
+        if nodes is None:
+            placed, nodes = self.rank_nodes(), self.nodes
+        elif nodes < 1 or self.world_size % nodes:
             raise PlanError(f"--nodes={nodes}: the world of {self.world_size} ranks does not split into "
                             f"{nodes} equal nodes; give a divisor of {self.world_size}")
-        per_node = self.world_size // nodes
-        spans = [len({r // per_node for r in owners}) for owners in self._owners]
+        else:
+            placed = tuple(r // (self.world_size // nodes) for r in range(self.world_size))
+        spans = [len({placed[r] for r in owners}) for owners in self._owners]
         return (min(spans) if spans else nodes) - 1
 
     # ---------------------------------------------------------------- validation
@@ -250,9 +279,11 @@ class MaskPlan:
             d["components"] = self.unit_graph_components()
             d["params_per_rank"] = self.params_per_rank(partition)
             d["cost_per_rank"] = self.cost_per_rank(partition)
-        if self.nodes > 1:  # a one-node plan.json stays as it was
+        if self.nodes > 1 or self.node_of:  # a one-node plan.json stays as it was (not a job that lost nodes)
             d["nodes"] = self.nodes
-            d["node_failures_survived"] = self.node_failures_survived(self.nodes)
+            d["node_failures_survived"] = self.node_failures_survived()
+            if self.node_of:  # the survivors of a death, on the nodes they started on
+                d["node_of_rank"] = list(self.node_of)
         d["digest"] = self.digest()
         return d
 
@@ -261,7 +292,8 @@ class MaskPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MaskPlan":
-        plan = cls(int(d["world_size"]), [list(x) for x in d["owned"]], int(d["num_units"]), int(d.get("nodes", 1)))
+        plan = cls(int(d["world_size"]), [list(x) for x in d["owned"]], int(d["num_units"]), int(d.get("nodes", 1)),
+                   tuple(d.get("node_of_rank", ())))
         if "digest" in d and d["digest"] != plan.digest():
             raise PlanError("plan.json is corrupt: its digest does not match its contents")
         return plan

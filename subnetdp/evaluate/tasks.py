@@ -57,7 +57,7 @@ def write_results(run_dir: Path, step: int, results: dict[str, Any]) -> Path:
     """``RUN_DIR/lm_eval/step_XXXXXXXX.json``, and ``lm_eval/<task>/<metric>`` scalars at ``step`` in the
     run's TensorBoard and ``metrics.jsonl`` (as a run's own in-run evaluation writes them)."""
     from subnetdp.train.downstream import save_results, scalars
-    from subnetdp.train.report import RunLogger
+    from subnetdp.train.runlog import RunLogger
 
     out = save_results(run_dir, step, results)
     values = {f"lm_eval/{k}": v for k, v in scalars(results).items()}

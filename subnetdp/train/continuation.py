@@ -81,12 +81,13 @@ class WentOn(Exception):
 
     ``ckpt``: the checkpointer whose run the next world's adopts (its :class:`Handover` is all that is
     kept: the checkpointer itself holds the segment's model, which the loop would otherwise keep alive
-    beside the new one for the whole next segment); ``full``: the W-rank plan the job had before any
-    death (a join returns to it)."""
+    beside the new one for the whole next segment); ``counted``: what the reporter and meter of the world
+    before counted (``report.Counted``: what was consumed, bytes by owner group in worker ids); ``full``:
+    the W-rank plan the job had before any death (a join returns to it)."""
 
-    def __init__(self, continued: Continued, ckpt: Any, losses: list[float], full: MaskPlan) -> None:
+    def __init__(self, continued: Continued, ckpt: Any, counted: Any, full: MaskPlan) -> None:
         super().__init__(f"going on from step {continued.step}")
-        self.continued, self.ckpt, self.losses, self.full = continued, Handover.of(ckpt), losses, full
+        self.continued, self.ckpt, self.counted, self.full = continued, Handover.of(ckpt), counted, full
 
     def without_frames(self) -> "WentOn":
         """This, without the frames it was raised through (and the failure it was raised from): they

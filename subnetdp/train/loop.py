@@ -25,7 +25,7 @@ from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.owner_check import OwnerCheck
 from subnetdp.train.rejoin import JoinFailed, grow, join, join_due
-from subnetdp.train.report import reporting, summarise
+from subnetdp.train.report import Counted, reporting, summarise
 from subnetdp.train.setup import freeze_lasting, frozen_while_training, set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
 from subnetdp.train.stopping import (REQUEUE_SIGNAL, Interrupted, StopRequest, continue_command, hold_for_test, requeue_job,
@@ -74,7 +74,7 @@ def train_loop(ctx: RunContext, state: TrainState, stopper: StopRequest | None =
     finished, in the re-formed world."""
     with frozen_while_training():
         joined = join(ctx, state)  # collective for a replacement: the members heal it before its first step
-        went_on = WentOn(joined, joined.run, [], state.plan) if joined is not None else None
+        went_on = WentOn(joined, joined.run, Counted(), state.plan) if joined is not None else None
         while True:
             try:
                 return _train(ctx, state, stopper, went_on)
@@ -109,9 +109,9 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
     with reporting(ctx, meter) as reporter:  # the built-in reporter: progress, log lines, TensorBoard, summary.json
         try:
             hook.subnetdp_on_run_start(context=ctx, state=state)
-            reporter.carry_over(ctx, state, ckpt.carried)  # a step the survivors finished and nobody logged
-            if went_on is not None:
-                reporter.losses[:0] = went_on.losses  # this rank's losses since the last row, logged at the next
+            reporter.carry_over(ctx, state, ckpt)  # the counts a resume goes on from; a step nobody logged
+            if went_on is not None:  # collective on a log step: the world before's losses, counts and bytes go on
+                reporter.take_over(ctx, state, went_on.counted, ckpt)
             if stopper is not None:
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
@@ -154,7 +154,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                     if who:
                         _stop(ctx, ckpt, step, who)
                 if (joining := join_due(ctx, state, step, full)) is not None:  # one store check a step; collective when due
-                    raise WentOn(grow(ctx, state, ckpt, joining, full), ckpt, list(reporter.losses), full)
+                    raise WentOn(grow(ctx, state, ckpt, joining, full), ckpt, reporter.counted(ctx, step), full)
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
                 evaluation = evaluate_run(ctx, state, steps)  # collective
                 hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,
@@ -170,7 +170,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
             # without a second dead, when one dies amid the re-formation); else the error to leave with.
             outcome = lost if isinstance(lost, JoinFailed) else go_on(ctx, state, ckpt, lost)  # a failed join: restart path
             if not isinstance(outcome, PeerLost):
-                raise WentOn(outcome, ckpt, list(reporter.losses), full) from None
+                raise WentOn(outcome, ckpt, reporter.counted(ctx, outcome.step), full) from None
             if stopper is not None:
                 stopper.leaving()  # the agent's SIGTERM that follows a death asks for nothing more
             # A peer died or stopped answering: keep this rank's units as of its last finished step

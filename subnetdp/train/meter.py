@@ -38,6 +38,12 @@ class Meter:
         self._phases_at_start = {p: comm.bytes.total(p) for p in comm.bytes.by_phase}
         self._ring_at_start = comm.bytes.ring_estimate()
         self._untimed = 0.0
+        # The worker id of each rank of this world (the job's first ranks; a replacement's own id): a death
+        # or a join renumbers the ranks, so groups are reported in worker ids, which never change meaning.
+        self.workers = tuple(getattr(comm, "origin", None) or range(comm.world_size))
+        self.done = 0  # steps finished in this world
+        self._groups_at_step_end = dict(self._groups_at_start)
+        self._earlier: dict[tuple[int, ...], tuple[int, int]] = {}  # the worlds before: (bytes, steps) by group
 
     @contextlib.contextmanager
     def step(self, step: int, state: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
@@ -53,6 +59,8 @@ class Meter:
             yield
         self.last_step_time = time.perf_counter() - t0 - self._untimed
         self._untimed = 0.0
+        self.done += 1
+        self._groups_at_step_end = dict(self.comm.bytes.by_group)  # what a world left by a death had moved
         if measure or (probe and self.parallel.sharded):
             self.peak_cpu = tracker.peak if measure else 0
         else:
@@ -65,9 +73,36 @@ class Meter:
         self._untimed += seconds
 
     def group_bytes(self) -> dict[tuple[int, ...], int]:
-        """Gradient payload per owner group since the first step of this process."""
+        """Gradient payload per owner group (ranks of this world) since this world's first step. The
+        counter keeps the keys of the worlds before a re-formation: they moved nothing since."""
         start = self._groups_at_start
-        return {g: n - start.get(g, 0) for g, n in self.comm.bytes.by_group.items()}
+        return {g: n - start.get(g, 0) for g, n in self.comm.bytes.by_group.items() if n != start.get(g, 0)}
+
+    def worker_group(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        """``group`` (ranks of this world) as worker ids, sorted."""
+        return tuple(sorted(self.workers[r] for r in group))
+
+    def worker_group_bytes(self, finished: bool = False) -> tuple[dict[tuple[int, ...], int], dict[tuple[int, ...], int]]:
+        """Payload bytes and steps per owner group named by worker ids, over every world this process
+        trained in (:meth:`take_over` adds the worlds before). ``finished``: this world up to its last
+        finished step (what a world left by a death hands over), else up to now."""
+        start = self._groups_at_start
+        now = self.comm.bytes.by_group if not finished else self._groups_at_step_end
+        payload = {g: b for g, (b, _) in self._earlier.items()}
+        steps = {g: n for g, (_, n) in self._earlier.items()}
+        for g, n in now.items():
+            if n != start.get(g, 0):
+                key = self.worker_group(g)
+                payload[key] = payload.get(key, 0) + n - start.get(g, 0)
+                steps[key] = steps.get(key, 0) + self.done
+        return payload, steps
+
+    def take_over(self, earlier: tuple[dict[tuple[int, ...], int], dict[tuple[int, ...], int]] | None) -> None:
+        """Count the bytes by group of the worlds before a re-formation (:meth:`worker_group_bytes` of
+        the meter of the world before) into this world's figures."""
+        if earlier:
+            payload, steps = earlier
+            self._earlier = {g: (payload[g], steps[g]) for g in payload}
 
     def phase_bytes(self) -> dict[str, int]:
         """Payload outside the training step since the first step of this process, by phase (the
@@ -98,7 +133,9 @@ class Meter:
         sent, wire = self.bytes_per_step(done)
         out = {"rank/bytes_sent_per_step": sent, "rank/wire_bytes_per_step": wire,
                "rank/peak_memory_bytes": self.step_peak}
-        out.update({f"rank/bytes_by_group/{group_label(g)}": n / done for g, n in self.group_bytes().items()})
+        # This world's groups, named by worker ids: a tag keeps one group's meaning across a death or a join.
+        out.update({f"rank/bytes_by_group/{group_label(self.worker_group(g))}": n / done
+                    for g, n in self.group_bytes().items()})
         return out
 
 
@@ -107,14 +144,21 @@ def group_label(group: tuple[int, ...]) -> str:
     return "-".join(str(r) for r in group)
 
 
-def bytes_by_group(payload: dict[tuple[int, ...], int], steps: int) -> dict[str, dict[str, float]]:
-    """Per owner group: payload bytes per step and the ring all-reduce wire estimate ``2(k-1)/k`` x payload."""
+def bytes_by_group(payload: dict[tuple[int, ...], int],
+                   steps: int | dict[tuple[int, ...], int]) -> dict[str, dict[str, float]]:
+    """Per owner group: payload bytes per step and the ring all-reduce wire estimate ``2(k-1)/k`` x payload.
+
+    ``steps``: the steps the payload was moved in, one number for every group or one per group (a group
+    of a world left by a death moved bytes only in that world's steps); a group's entry says it."""
     out = {}
     for group in sorted(payload, key=lambda g: (len(g), g)):
-        per_step = payload[group] / steps
+        n = steps if isinstance(steps, int) else steps[group]
+        per_step = payload[group] / max(n, 1)
         k = len(group)
         out[group_label(group)] = {"k": k, "payload_bytes_per_step": per_step,
                                    "wire_bytes_per_step_ring": 2 * (k - 1) / k * per_step if k > 1 else 0.0}
+        if not isinstance(steps, int):
+            out[group_label(group)]["steps"] = n
     return out
 
 

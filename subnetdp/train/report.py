@@ -13,6 +13,7 @@ values that differ by rank under ``RUN_DIR/tensorboard/rank_{r}``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -26,78 +27,27 @@ from subnetdp.core.contracts import RunContext, RunResult
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.train.failures import stamp
 from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
+from subnetdp.train.runlog import RunLogger
 
 if TYPE_CHECKING:
-    from subnetdp.train.checkpoints.unlogged import Carried
+    from subnetdp.train.checkpoints.checkpointer import Checkpointer
     from subnetdp.train.evaluation import Evaluation
     from subnetdp.train.state import TrainState
 
 
-class RunLogger:
-    """Writes a run's ``metrics.jsonl`` and TensorBoard events.
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """What the reporter and meter of a re-formed world (a death, a join) take over from the world
+    before, on every rank (whichever becomes rank 0 writes the log). Empty for a newcomer.
 
-    Rank 0 writes the global series to ``RUN_DIR/tensorboard``; every rank writes the values that
-    differ by rank (memory, bytes, step time, its local loss) to ``RUN_DIR/tensorboard/rank_{r}``,
-    so TensorBoard shows one curve per rank under the same tag.
+    ``consumed``: (step, samples or tokens seen, FLOPs) at the last finished step; ``groups``: payload
+    bytes and steps by owner group in worker ids (:meth:`Meter.worker_group_bytes`); ``world_size``: the
+    world before's. (Each rank's losses no row holds yet are its checkpointer's, which the next adopts.)
     """
 
-    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
-        self.run_dir = run_dir
-        self.rank = rank
-        self.global_writer = None
-        self.rank_writer = None
-        self._jsonl = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            tb = run_dir / "tensorboard"
-            if rank == 0:
-                self.global_writer = SummaryWriter(str(tb))
-            self.rank_writer = SummaryWriter(str(tb / f"rank_{rank}"))
-        if rank == 0:
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-
-    def scalars(self, step: int, values: dict[str, float], per_rank: bool = False) -> None:
-        writer = self.rank_writer if per_rank else self.global_writer
-        if writer is None:
-            return
-        for k, v in values.items():
-            if v is not None:
-                writer.add_scalar(k, float(v), step)
-
-    def jsonl(self, record: dict[str, Any]) -> None:
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-
-    def text(self, tag: str, text: str) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_text(tag, text, 0)
-
-    def histogram(self, tag: str, values: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            import numpy as np
-
-            values = np.asarray(values)
-            # One bin per integer value: owner counts are small integers.
-            self.global_writer.add_histogram(tag, values, step, bins=np.arange(values.min(), values.max() + 2) - 0.5)
-
-    def figure(self, tag: str, fig: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_figure(tag, fig, step)
-
-    def image(self, tag: str, img: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_image(tag, img, step, dataformats="HW")
-
-    def close(self) -> None:
-        for w in (self.global_writer, self.rank_writer):
-            if w is not None:
-                w.flush()
-                w.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        self.global_writer = self.rank_writer = self._jsonl = None
+    consumed: tuple[int, float, float] | None = None
+    groups: Any = None
+    world_size: int = 0
 
 
 class Reporter:
@@ -126,8 +76,11 @@ class Reporter:
         self.seen_unit = "tokens" if ctx.spec.seq_len else "samples"
         self.seen_per_step = samples * (ctx.spec.seq_len or 1)
         self.flops_per_step = ctx.step_flops
-        # A resumed run (perhaps on another world size or plan) goes on from what its log last counted.
-        self.base = consumed_before(ctx.run_dir / "metrics.jsonl", meter.first - 1) if ctx.rank == 0 else (0, 0.0, 0.0)
+        # What was consumed by the step before the first: zeros for a new run; a resume's checkpoint or the
+        # world before a re-formation says (carry_over, take_over), else the log's last row, read when first
+        # needed (not in a re-formation's pause). Every rank counts: any may be rank 0 after a death.
+        self._base: tuple[int, float, float] | None = None if meter.first > 1 else (0, 0.0, 0.0)
+        self._log_before = (ctx.run_dir / "metrics.jsonl", meter.first - 1)
 
     @hookimpl(tryfirst=True)
     def subnetdp_on_run_start(self, context: RunContext, state: "TrainState") -> None:
@@ -194,11 +147,33 @@ class Reporter:
         elif ctx.rank == 0:  # no bar (a pipe, a file, a batch job, or train.progress=false): plain lines,
             print(f"{stamp()} {line}", flush=True)  # timestamped, so a job's log says when each step ended
 
-    def carry_over(self, ctx: RunContext, state: "TrainState", carried: "Carried | None") -> None:
-        """Rank 0 of a run resumed from survivors' files: the losses its log owes
+    @property
+    def base(self) -> tuple[int, float, float]:
+        """(step, samples or tokens seen, FLOPs) that :meth:`consumed` counts on from."""
+        if self._base is None:
+            self._base = consumed_before(*self._log_before)
+        return self._base
+
+    @base.setter
+    def base(self, counts: tuple[int, float, float]) -> None:
+        self._base = counts
+
+    def carry_over(self, ctx: RunContext, state: "TrainState", ckpt: "Checkpointer") -> None:
+        """What a resumed run's log goes on from. Every checkpoint records what the run had consumed by
+        its step (``ckpt.consumed``), and a run resumed from one counts on from there (a resume in another
+        run directory, or at another world size, has no row of the steps before to read it from).
+        Rank 0 of a run resumed from survivors' files: the losses its log owes
         (:mod:`subnetdp.train.checkpoints.unlogged`). A log step gets its row now, marked
         ``"recovered"`` with the ranks whose losses it averages; otherwise they join the next row's mean
         (marked the same way: the dead ranks' losses of those steps are gone)."""
+        ckpt.consumed = self.counts
+        if ckpt.resumed is not None:
+            from subnetdp.train.checkpoints.files import read_manifest
+
+            counts = read_manifest(ckpt.resumed).get("consumed")
+            if counts is not None:  # checkpoints of earlier releases lack it: the log's last row then
+                self.base = (int(counts[0]), float(counts[1]), float(counts[2]))
+        carried = ckpt.carried
         if carried is None:
             return
         step, ranks = carried.step, carried.ranks
@@ -219,9 +194,56 @@ class Reporter:
         else:
             print(f"{stamp()} {line}", flush=True)
 
+    def counts(self, step: int) -> list[float]:
+        """``[step, samples or tokens seen, FLOPs]`` by ``step`` (a checkpoint records them)."""
+        since, seen, flops = self.base
+        return [step, seen + (step - since) * self.seen_per_step, flops + (step - since) * (self.flops_per_step or 0.0)]
+
+    def counted(self, ctx: RunContext, step: int) -> Counted:
+        """What the next world's reporter and meter take over when the world re-forms after ``step``."""
+        step_, seen, flops = self.counts(step)
+        return Counted((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size)
+
+    def take_over(self, ctx: RunContext, state: "TrainState", was: Counted, ckpt: "Checkpointer") -> None:
+        """Go on from the world before (``was``: its :meth:`counted`; every member and a newcomer call
+        this at the first step boundary of the new world). Its counts of what was consumed (the members',
+        which a newcomer adopts: every checkpoint and survivor's file records them, and the survivors'
+        files of one step must agree) and its bytes by group go on. This rank's losses no row holds (its
+        checkpointer's, kept since the last row, the step the world re-formed after among them even when
+        the death came before the reporter heard of it) join the next row; when that step is a log step
+        whose row is not in the log (a death between the update and the row), the survivors write it
+        now from them, marked ``"recovered"`` (the dead ranks' are gone). Collective: one gather."""
+        step, comm = state.step, ctx.comm
+        self.meter.take_over(was.groups)
+        owed = ckpt.unlogged.upto(step, state.progress)
+        log_step = step % self.log_every == 0 or step == self.steps
+        with comm.bytes.phase("log"):
+            # collective: every rank of the new world, once
+            theirs = comm.all_gather_object((was.consumed, list(owed.values()) if log_step else []))
+        counts = next((c for c, _ in theirs if c is not None), None)
+        if counts is not None:
+            self.base = (int(counts[0]), float(counts[1]), float(counts[2]))
+        if not log_step:
+            for s, loss in owed.items():  # the step in progress's too, should another death come before the row
+                ckpt.unlogged.note(s, loss)
+            self.losses[:0] = list(owed.values())  # they join the next row's mean
+            return
+        ckpt.mark_logged(step)  # the row holds every survivor's losses of it, written before or now
+        losses = [loss for _, mine in theirs for loss in mine]
+        # Only rank 0 writes, and its log says whether the row is there (rank 0 of the world before may
+        # have died after writing it).
+        if ctx.rank == 0 and losses and last_row(ctx.run_dir / "metrics.jsonl") < step:
+            mark = {"ranks": list(self.meter.workers), "world_size": was.world_size, "steps": sorted(owed)}
+            record = {"step": step, "train/loss": sum(losses) / len(losses),
+                      "train/lr": state.optimizer.param_groups[0]["lr"], **self.consumed(step), "recovered": mark}
+            self.log.scalars(step, {"train/loss": record["train/loss"], "train/lr": record["train/lr"]})
+            self.log.jsonl(record)
+            self.by_consumed(step, {"train_loss": record["train/loss"]})
+
     def consumed(self, step: int) -> dict[str, float]:
         """What the world has consumed after ``step`` steps: ``train/{tokens,samples}_seen``, ``train/flops``
-        (from the last counts logged before a resume, at this world's and plan's rate since)."""
+        (from the last counts logged before a resume, or handed over by the world before a re-formation,
+        at this world's and plan's rate since)."""
         since, seen, flops = self.base
         out = {f"train/{self.seen_unit}_seen": seen + (step - since) * self.seen_per_step}
         if self.flops_per_step is not None:
@@ -312,6 +334,19 @@ def consumed_before(metrics: Path, step: int) -> tuple[int, float, float]:
     return best
 
 
+def last_row(metrics: Path) -> int:
+    """The step of the last training row in ``metrics.jsonl`` (0: none)."""
+    if not metrics.is_file():
+        return 0
+    rows = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    return max((r["step"] for r in rows if "train/loss" in r and isinstance(r.get("step"), int)), default=0)
+
+
 def show_bar(progress: bool | None) -> bool:
     """``train.progress``: null (the default) shows the bar only when stderr (where tqdm writes) is a
     terminal, so piped and batch-job logs get whole lines instead of carriage-return updates."""
@@ -337,7 +372,8 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
         _DRAWN.add(drawn)
         log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
         log.image("plan/ownership_matrix", plan.as_image())
-    log.scalars(0, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
+    # At the step the plan holds from: a re-planned world's figures follow the first's.
+    log.scalars(state.step, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
                     **({"plan/node_failures_survived": plan_dict["node_failures_survived"]} if "nodes" in plan_dict else {})})
     counts = plan.owner_counts()
     log.histogram("plan/owner_counts", counts)  # how many units have k owners; the unit is not a step
@@ -361,7 +397,7 @@ def summarise(ctx: RunContext, state: "TrainState", meter: Meter, done: int, eva
             "memory_measured_by": "cuda allocator" if ctx.comm.device.type == "cuda" else "dispatch tracker (tensors only)",
             "bytes_sent_per_step": bytes_per_step, "wire_bytes_per_step_ring": wire_per_step,
             "step_time_s": sum(warm) / len(warm) if warm else None, "owned_units": plan.owned[ctx.rank],
-            "bytes_by_group": bytes_by_group(meter.group_bytes(), max(state.step, 1)),
+            "worker": meter.workers[ctx.rank], "bytes_by_group": bytes_by_group(*meter.worker_group_bytes()),
             "bytes_by_phase": meter.phase_bytes(),
             "params_sha256": digest, **parallel.describe(), **sync.describe(),
             "fsdp_bytes_per_step": dict(parallel.fsdp_by_kind), "sync": "dense" if sync.dense else "grouped"}

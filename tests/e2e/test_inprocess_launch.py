@@ -126,8 +126,18 @@ def test_a_second_death_amid_the_re_formation_leaves_the_survivors_to_agree_agai
                      console)
     assert went and int(went.group(1)) > 0, console[-4000:]
     assert "not going on in-process" not in console and "owners disagree" not in console, console[-4000:]
-    steps = _steps(run)
-    # No step logged twice and the run ended; step 3's row is step 4's (its loss carried: the death came
-    # before step 3's row, docs/inprocess.md "Logging").
-    assert steps == [1, 2, 4, 5, 6], steps
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r}
+    # Every step's row, none twice, and the run ended: the death came between step 3's update and its row,
+    # so the survivors wrote it after going on, from their losses of it (docs/inprocess.md "Logging").
+    assert _steps(run) == [1, 2, 3, 4, 5, 6], _steps(run)
+    assert rows[3]["recovered"] == {"ranks": [0, 2], "world_size": 4, "steps": [3]}, rows[3]
+    # The samples trained: 3 steps of 4 workers, then 3 of 2 (batch 4), not the last world's rate throughout.
+    assert [rows[s]["train/samples_seen"] for s in (2, 3, 6)] == [32, 48, 72], rows
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    # Bytes by owner group in worker ids, each over the steps of its world: the pairs {0, 1} and {2, 3} and the
+    # world of 4 for steps 1-3, the world of workers 0 and 2 (ranks 0 and 1 now) for steps 4-6.
+    for r, worker, pair in ((0, 0, "0-1"), (1, 2, "2-3")):
+        mine = summary["ranks"][r]
+        assert mine["worker"] == worker and set(mine["bytes_by_group"]) == {pair, "0-2", "0-1-2-3"}, mine
+        assert {g["steps"] for g in mine["bytes_by_group"].values()} == {3}, mine

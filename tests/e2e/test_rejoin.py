@@ -63,7 +63,15 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert "owners disagree" not in console, console[-4000:]  # every step's digests agreed, after the join too
     steps = _steps(run)
     assert steps == sorted(set(steps)) and steps[-1] == 8, steps  # no step logged twice, the run ended
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 4
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4
+    # What was trained, across the three worlds: steps 1-2 at W=4, 3-5 at W=3, 6-8 at W=4 again (batch 4).
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/samples_seen"] for r in rows if r.get("step") == 8 and "train/loss" in r] == [2 * 16 + 3 * 12 + 3 * 16]
+    # Bytes by owner group in worker ids (the replacement is worker 4, in rank 1's place), each over its world's steps.
+    mine = summary["ranks"][0]["bytes_by_group"]
+    assert (mine["0-1-2-3"]["steps"], mine["0-2-3"]["steps"], mine["0-2-3-4"]["steps"]) == (2, 3, 3), mine
+    assert summary["ranks"][1]["worker"] == 4 and {g["steps"] for g in summary["ranks"][1]["bytes_by_group"].values()} == {3}
 
     # The final checkpoint is of the W-rank plan the job started with, and holds the newcomer's share. Each
     # piece is written once (by one of its owners), so the owners' equality is the digests' above: values and
@@ -82,6 +90,8 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert "(step 5) on a new plan" in again.stdout, again.stdout[-3000:]  # the W=3 checkpoint, re-planned at W
     resumed = json.loads((tmp_path / "resumed" / "checkpoints" / "step_00000008" / "MANIFEST.json").read_text())
     assert resumed["plan_digest"] == final["plan_digest"]  # the W-rank plan: the config's, as the join's
+    # In its own run directory, it counts on from what the W=3 checkpoint says was trained by step 5.
+    assert resumed["consumed"][:2] == final["consumed"][:2] == [8, 2 * 16 + 3 * 12 + 3 * 16], resumed["consumed"]
     shutil.rmtree(at_join)  # the test's files stay small: only the two final checkpoints are compared
     a = _tensors(run / "checkpoints" / "step_00000008")
     b = _tensors(tmp_path / "resumed" / "checkpoints" / "step_00000008")

@@ -139,3 +139,22 @@ def test_without_refuses_a_unit_with_no_surviving_owner():
     plan = MaskPlan(4, [[0], [1], [2], [3]], 4)
     with pytest.raises(PlanError, match=r"unit\(s\) \[2\] have no owner among the surviving ranks \[0, 1, 3\]"):
         plan.without([0, 1, 3], min_owners=2)
+
+
+def test_without_keeps_the_survivors_on_their_nodes():
+    # 2 nodes x 2 ranks (rank r on node r // 2), every unit owned on both nodes
+    plan = MaskPlan(4, [[0, 1], [2, 3], [0, 2], [1, 3]], 4, nodes=2)
+    assert plan.to_dict()["nodes"] == 2 and plan.to_dict()["node_failures_survived"] == 1
+    after = plan.without([0, 1, 3])  # rank 2 (node 1) dies: the survivors stay on nodes 0, 0, 1
+    d = after.to_dict()
+    assert (d["nodes"], d["node_of_rank"]) == (2, [0, 0, 1])
+    assert d["node_failures_survived"] == after.node_failures_survived() == 0  # unit 1: ranks 0 and 2 (both node 0)
+    assert MaskPlan.from_dict(d).node_of == (0, 0, 1) and MaskPlan.from_dict(d).digest() == after.digest()
+    lost = after.without([0, 1])  # then node 1 whole: one node holds every survivor
+    assert (lost.to_dict()["nodes"], lost.to_dict()["node_of_rank"], lost.to_dict()["node_failures_survived"]) == (1, [0, 0], 0)
+    assert plan.without([1, 2, 3]).node_of == (0, 1, 1)  # node numbers are the job's: rank 0 gone, node 0 stays
+    # a join returns to the job's W-rank plan, whose nodes are its own; a one-node plan stays as it was
+    assert "nodes" not in MaskPlan(4, plan.owned, 4).without([0, 1, 3]).to_dict()
+    assert plan.replicated(2).replicas(2).node_of == () and after.replicated(2).replicas(2).node_of == (0, 0, 1)
+    with pytest.raises(PlanError, match=r"node_of \[0, 0\] does not place 3 ranks"):
+        MaskPlan(3, [[0], [1], [2]], 3, nodes=1, node_of=(0, 0))

@@ -125,6 +125,8 @@ class Checkpointer:
         self._persistent: tuple[Any, set[str]] = (None, set())
         self.unlogged = Unlogged()  # this rank's losses no log row holds yet (a survivor keeps them)
         self.carried: Carried | None = None  # rank 0, resumed from survivors: the losses its log owes
+        self.resumed: Path | None = None  # the checkpoint the run resumed from (every rank)
+        self.consumed: Any = None  # the reporter's: step -> [step, samples or tokens seen, FLOPs], into each manifest
 
     def _local_names(self) -> list[str]:
         """The local name of every optimizer parameter, in the optimizer's order (outside gathered())."""
@@ -190,15 +192,13 @@ class Checkpointer:
         ctx, state, cfg = self.ctx, self.state, self.cfg
         plan, partition, spec = state.plan, state.partition, ctx.spec
         return {"format": ck.FORMAT, "run_id": self.run_id, "lineage": self.lineage, "step": step,
-                "world_size": self.world_size,
-                "plan_digest": plan.digest(), "fsdp_shard_size": cfg.fsdp.shard_size,
+                "world_size": self.world_size, "plan_digest": plan.digest(), "fsdp_shard_size": cfg.fsdp.shard_size,
                 "partition_digest": units.partition_digest(partition),
                 "partition": {"granularity": partition.granularity, "units": len(partition.units),
-                              "units_per_layer": cfg.masker.units_per_layer},
-                "config_digest": config_mod.digest(cfg),
+                              "units_per_layer": cfg.masker.units_per_layer}, "config_digest": config_mod.digest(cfg),
                 "model": OmegaConf.to_container(cfg.model, resolve=True),
                 "data_spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
-                "reference": ctx.adapter.reference_options(spec)}
+                "reference": ctx.adapter.reference_options(spec), "consumed": self.consumed and self.consumed(step)}
 
     def _write_rank_files(self, tmp: Path, step: int, pieces: dict[str, torch.Tensor],
                           buffers: dict[str, torch.Tensor], states: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -214,8 +214,7 @@ class Checkpointer:
         out[st_name] = ck.write_atomic(tmp / st_name, lambda p: ck.save_safetensors(
             p, buffers, {**meta, "rank": str(self.rank)}))
         saved = {"format": ck.FORMAT, "step": step, "run_id": self.run_id, "rank": self.rank,
-                 "world_size": self.world_size, "batch_size": self.cfg.train.batch_size,
-                 **rank_file_entries(states)}
+                 "world_size": self.world_size, "batch_size": self.cfg.train.batch_size, **rank_file_entries(states)}
         out[state_name] = ck.write_atomic(tmp / state_name, lambda p: torch.save(saved, str(p)),
                                           fault=(step, self.rank))
         return out
@@ -362,6 +361,7 @@ class Checkpointer:
                 continue  # collective: every rank chooses again, as rank 0 now does
             if errors:
                 raise CheckpointError("; ".join(errors))
+            self.resumed = Path(choice["path"])
             break
         if self.rank == 0:
             manifest = ck.read_manifest(Path(choice["path"]))

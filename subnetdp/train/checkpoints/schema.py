@@ -39,6 +39,7 @@ MANIFEST = Record(
     optional={"fsdp_shard_size": Int(1), "partition_digest": Str(), "config_digest": Str(),
               "partition": Record({}, optional={"granularity": Str(), "units": Int(0), "units_per_layer": Int(0)}),
               "reference": Nullable(MapOf(Str(), Anything())),
+              "consumed": Nullable(ListOf(Number())),  # [step, samples or tokens seen, FLOPs] by the step
               # a checkpoint assembled from the survivors' files: the ranks that wrote none, and those that did
               "absent_ranks": ListOf(Int(0)), "recovered_from": ListOf(Int(0)),
               # ...and the survivors' losses of the steps after the run's last log row (checkpoints.unlogged)
