@@ -35,3 +35,38 @@ def test_a_survivor_after_the_decision_leaves_with_one_line():
     assert m1.members == (1,) and m1.consistent
     with pytest.raises(SubnetdpError, match=r"rank 2 reached the re-formation 1 after the survivors \[1\]"):
         agree(store, 2, range(3), [0], generation=1, last_step=4, timeout_s=0.05)
+
+
+class _Counted:
+    """A real store whose round trips are counted."""
+
+    def __init__(self, store) -> None:
+        self.store, self.trips = store, 0
+
+    def num_keys(self) -> int:
+        self.trips += 1
+        return self.store.num_keys()
+
+    def check(self, keys) -> bool:
+        self.trips += 1
+        return self.store.check(keys)
+
+
+def test_a_collectives_watch_costs_one_round_trip_while_the_store_stands_still():
+    # Every supervised collective watches the store while it waits. Looking up each of the 2W marks at
+    # every look made a supervised step about twice as slow as torchrun's on this machine (load ~10).
+    from subnetdp.plugins.comm.regroup import MarkWatch
+
+    store = _store()
+    store.set("subnetdp/node/0/beat", "1")
+    counted, watch = _Counted(store), MarkWatch()
+    marks = [f"{DEAD_KEY}/{r}" for r in range(4)] + [f"subnetdp/regroup/1/alive/{r}" for r in range(4)]
+    assert not watch.marked(counted, marks) and counted.trips == 1 + len(marks)  # the first look reads them all
+    counted.trips = 0
+    for _ in range(5):
+        assert not watch.marked(counted, marks)
+    assert counted.trips == 5  # the key count alone: nothing was added
+    store.set("subnetdp/join/next", "x")  # an unrelated key: looked up once more, still nothing
+    assert not watch.marked(counted, marks) and not watch.marked(counted, marks)
+    store.set(f"{DEAD_KEY}/2", "exit -9")  # the supervisor reaped rank 2
+    assert watch.marked(counted, marks) and watch.marked(counted, marks)  # and it stays seen

@@ -62,24 +62,54 @@ class Membership:
         return self.members.index(old)
 
 
-def wait_or_regroup(work: Any, store: Any, world: Sequence[int], generation: int, poll_s: float = 0.005) -> bool:
+class MarkWatch:
+    """Whether the store holds a mark for a world, looked up in one round trip while nothing changes.
+
+    A supervised worker waits in every collective of every step (docs/inprocess.md, "What watching
+    costs"): looking up each of the 2W mark keys at every poll cost more than the step's own work on
+    this loaded machine. The store's key count changes when any key is added (a death mark, a
+    registration, a joiner's announcement) or removed, so while it stands still no mark can have
+    appeared; when it moves the marks are looked up once.
+    """
+
+    def __init__(self) -> None:
+        self.count: int | None = None  # the store's key count when it last held none of the marks looked for
+
+    def marked(self, store: Any, marks: Sequence[str]) -> bool:
+        count = store.num_keys()
+        if count == self.count:
+            return False
+        if any(store.check([k]) for k in marks):
+            return True
+        self.count = count
+        return False
+
+
+def wait_or_regroup(work: Any, store: Any, world: Sequence[int], generation: int, watch: MarkWatch | None = None,
+                    poll_s: float = 0.0005, look_s: float = 0.02) -> bool:
     """Wait for ``work``; True when it finished, False as soon as a re-formation is under way.
 
     A ring all-reduce blocks a member on its neighbour, not on the dead rank: a survivor two hops
     away would see nothing until ``comm.timeout_s`` (20 s of a 20 s timeout, measured). It watches
     the store instead: the supervisor's death mark or another survivor's registration for this
-    generation ends its wait. A failed work raises from ``wait`` as before. A store that fails (its
-    host, node 0's supervisor, died with that node's workers) is watched no more: the work then ends
-    by itself (a closed connection at once, a stall at ``comm.timeout_s``), and the failure takes the
-    restart path, as the re-formation needs the store.
+    generation ends its wait. The work is polled every ``poll_s`` (the wait's added latency), the
+    store looked at every ``look_s`` of waiting (a death's added latency), in one round trip while
+    nothing changed there (:class:`MarkWatch`). A failed work raises from ``wait`` as before. A
+    store that fails (its host, node 0's supervisor, died with that node's workers) is watched no
+    more: the work then ends by itself (a closed connection at once, a stall at ``comm.timeout_s``),
+    and the failure takes the restart path, as the re-formation needs the store.
     """
     marks = [f"{DEAD_KEY}/{r}" for r in world] + [f"{REGROUP_KEY}/{generation}/alive/{r}" for r in world]
+    watch = watch if watch is not None else MarkWatch()
+    look = time.monotonic() + look_s
     while not work.is_completed():
-        try:
-            if any(store.check([k]) for k in marks):
-                return False
-        except (RuntimeError, OSError):  # torch's DistNetworkError: the store's host is gone
-            break
+        if time.monotonic() >= look:
+            try:
+                if watch.marked(store, marks):
+                    return False
+            except (RuntimeError, OSError):  # torch's DistNetworkError: the store's host is gone
+                break
+            look = time.monotonic() + look_s
         time.sleep(poll_s)
     work.wait()
     return True

@@ -22,9 +22,9 @@ from subnetdp import Communicator, Handle, PeerLost, SubnetdpError
 from subnetdp.plugins.comm._rendezvous import rendezvous
 from subnetdp.plugins.comm.peers import (HOST_KEY, LEFT_KEY, is_peer_gone, is_timeout, arrival_error,
                                          dead_on_this_host, ranks_named, round_prefix, stalled_peers)
-from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, Membership, agree, announce, await_join, form_group,
-                                           form_world, gather_members, join_decision, joined_membership, release,
-                                           wait_or_regroup)
+from subnetdp.plugins.comm.regroup import (DEAD_KEY, JOIN_KEY, MarkWatch, Membership, agree, announce, await_join,
+                                           form_group, form_world, gather_members, join_decision, joined_membership,
+                                           release, wait_or_regroup)
 
 #: Set by the supervisor (``launchers/supervisor.py``) in every worker it starts: the launcher's
 #: store outlives the workers and marks the dead, so a collective watches it and a survivor goes on.
@@ -57,6 +57,7 @@ class TorchDistCommunicator(Communicator):
         super().__init__(cfg, env)
         self._groups: dict[tuple[int, ...], Any] = {}
         self._stalls: dict[str, int] = {}  # failed collectives per world (membership): each gets its own keys
+        self._marks = MarkWatch()  # what the store held when a collective's wait last looked
         self._job_store: Any = None  # the launcher's store, unprefixed: where the supervisor marks the dead
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
@@ -245,7 +246,7 @@ class TorchDistCommunicator(Communicator):
             return
         origin = self._origin or tuple(range(self.world_size))
         generation = (self._membership.generation if self._membership else 0) + 1
-        if not wait_or_regroup(work, self._job_store, origin, generation):
+        if not wait_or_regroup(work, self._job_store, origin, generation, self._marks):
             # Woken by another survivor's registration, the supervisor's mark may be a reap (20 ms) behind.
             deadline = time.monotonic() + 0.5
             while True:
