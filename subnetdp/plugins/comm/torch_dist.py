@@ -47,6 +47,36 @@ class WorkHandle(Handle):
                 self.comm._guarded("all_reduce", self.group, lambda: self.comm._finish(self.work, "all_reduce"))
 
 
+class _WaitedAside:
+    """Point-to-point works waited for on a thread of their own, read as one work that ``wait_or_regroup``
+    can watch: gloo's report completion only once waited for (``is_completed`` stays False until then).
+
+    A wait given up on (a peer lost) leaves the thread blocked until gloo's own timeout (``comm.timeout_s``):
+    aborting the group does not wake a pending receive (measured here, torch 2.14.1), so the thread is a
+    daemon and holds only the message buffers, as a retired group holds its pending work (``_retire``).
+    """
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._wait, args=(list(works),), name="subnetdp-send-recv", daemon=True)
+        self._thread.start()
+
+    def _wait(self, works: list[Any]) -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as e:  # handed to the waiting thread, which names the lost peer (_guarded)
+            self._error = e
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 class TorchDistCommunicator(Communicator):
     """Shared code of the ``torch.distributed`` backends; subclasses set ``backend``."""
 
@@ -353,10 +383,15 @@ class TorchDistCommunicator(Communicator):
             self.bytes.add(self.world, tensor.numel() * tensor.element_size())  # what this rank hands over
         works = [self._guarded("send", None, lambda t=t, d=d: pg.send([t], d, 0)) for d, t in sends.items()]
         works += [self._guarded("recv", None, lambda t=t, r=r: pg.recv([t], r, 0)) for r, t in recvs.items()]
-        for work in works:
-            # A point-to-point work reports completion only once waited for (gloo), so the store is not
-            # watched here: a dead peer of the pair closes the connection, a stalled one hits the timeout.
-            self._guarded("send_recv", None, work.wait)
+        if self._job_store is None:  # a dead peer of a pair closes the connection, a stalled one hits the timeout
+            for work in works:
+                self._guarded("send_recv", None, work.wait)
+            return
+        # Supervised, the heal's waits watch the store as every other wait does (_finish): a peer marked dead
+        # (a node lost whole, whose connections never close) or another survivor registering for the next
+        # re-formation ends the wait within a poll, not at comm.timeout_s.
+        waited = _WaitedAside(works)
+        self._guarded("send_recv", None, lambda: self._finish(waited, "send_recv"))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._watched:
