@@ -254,7 +254,12 @@ class TorchDistCommunicator(Communicator):
         self._retire()
         generation = (self._membership.generation if self._membership else 0) + 1
         timeout = self.cfg.timeout_s
-        m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
+        try:
+            m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
+        except dist.DistNetworkError as e:  # not a member lost: the one place every survivor meets is gone
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            raise SubnetdpError(f"the job's store is gone ({why}): the supervisor that hosts it (node 0's, over "
+                                "several nodes) died") from None
         # From the agreement on, this is the membership: when a member dies before the world forms, the
         # next re-formation is the next generation, among these members (the agreed keys are never reused).
         self._membership, self._origin = m, m.members
