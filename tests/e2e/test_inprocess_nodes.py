@@ -128,6 +128,7 @@ def test_when_node_0_the_stores_host_dies_whole_node_1_keeps_its_units_and_leave
     assert other.wait(400) == 2, other.console[-6000:]
     seconds = time.monotonic() - killed
     host.wait(60)
+    print(f"\nnode 0 SIGKILLed after step {last_before} -> node 1's supervisor ended: {seconds:.1f} s")  # docs' figure
     console = other.console
     # Node 1's worker met the closed connection at once and the store's absence at the agreement: no wait
     # ran into comm.timeout_s, which is all a bound of half of it can rule out on a loaded machine.
