@@ -5,7 +5,8 @@ workers join it as torchrun's workers join the agent's. Rank 2 dies right after 
 all-reduce: every survivor meets the loss as ``PeerLost``, :meth:`regroup` renumbers it, and the
 same communicator object then averages over the new world and over owner groups made for the
 survivors' plan (``MaskPlan.without``), broadcasts a unit to its new owner bit for bit and gathers
-objects, all under the new ranks.
+objects, all under the new ranks. Last, a heal's point-to-point messages with a peer lost without a
+closed connection (a node lost whole): the receiver learns it from the store's mark, not at the timeout.
 """
 
 from __future__ import annotations
