@@ -15,6 +15,7 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -86,24 +87,32 @@ def _heal_with_a_peer_lost_whole(comm: GlooCommunicator, m) -> dict:
     reaps it): it never posts its message to rank 0, and is marked dead in the store, as the supervisor
     that finds its node's beat silent marks it (``launchers/liveness.py``). Rank 0's wait must end at that
     mark, as every other supervised wait does, not at comm.timeout_s (20 s); rank 0's own message to
-    rank 1 arrives whole. # collective: every survivor.
+    rank 1 arrives whole, and no wait of rank 0's is left inside gloo.
+    # collective: every survivor.
     """
     store = comm._job_store
+    wait = datetime.timedelta(seconds=60)  # past rank 0's comm.timeout_s, were its wait unwatched
     if m.old_rank == 3:
+        # Marked once rank 1 has its message: a mark ends every survivor's wait, finished or not (they all
+        # agree again next), so rank 1 could otherwise raise too.
+        store.wait(["heal_received"], wait)
         store.set(f"{DEAD_KEY}/3", "node 1 lost (no beat)")  # its connections stay open until rank 0 is done
-        store.wait(["heal_ended"], datetime.timedelta(seconds=60))  # past rank 0's comm.timeout_s, were it unwatched
+        store.wait(["heal_ended"], wait)
         return {}
     message = torch.arange(256, dtype=torch.uint8)
     if m.old_rank == 1:
         got = torch.zeros(256, dtype=torch.uint8)
         comm.send_recv({}, {0: got})
+        store.set("heal_received", "1")
         return {"heal_got": got}
     t0 = time.monotonic()
     try:
         comm.send_recv({1: message}, {2: torch.zeros(256, dtype=torch.uint8)})
         return {"heal_error": None}
     except PeerLost as e:
-        return {"heal_error": str(e), "heal_lost": e.lost, "heal_seconds": time.monotonic() - t0}
+        # Nothing of it still waits inside gloo (a process exiting meanwhile would abort), though rank 3 is still there.
+        left = [t.name for t in threading.enumerate() if t.name == "subnetdp-send-recv"]
+        return {"heal_error": str(e), "heal_lost": e.lost, "heal_seconds": time.monotonic() - t0, "heal_left": left}
     finally:
         store.set("heal_ended", "1")
 
@@ -146,6 +155,7 @@ def test_communicator_regroups_after_a_sigkill(tmp_path):
     assert heal["heal_error"] and heal["heal_error"].startswith("rank 3 died (the supervisor's store said so during "
                                                                 "send_recv)"), heal["heal_error"]
     assert heal["heal_lost"] == [2] and heal["heal_seconds"] < 5, heal  # today's rank of old rank 3
+    assert heal["heal_left"] == [], heal
     assert torch.equal(res[1]["heal_got"], torch.arange(256, dtype=torch.uint8))
     for old in survivors:  # figures for docs/inprocess.md (printed with -s, never asserted)
         print(f"rank {old}: kill -> first all-reduce on the re-formed world {res[old]['seconds']:.3f} s")

@@ -47,13 +47,17 @@ class WorkHandle(Handle):
                 self.comm._guarded("all_reduce", self.group, lambda: self.comm._finish(self.work, "all_reduce"))
 
 
+_ABANDON_TAG = 0x5DB  # a point-to-point tag nothing sends on (the heal's messages use tag 0)
+
+
 class _WaitedAside:
     """Point-to-point works waited for on a thread of their own, read as one work that ``wait_or_regroup``
     can watch: gloo's report completion only once waited for (``is_completed`` stays False until then).
 
-    A wait given up on (a peer lost) leaves the thread blocked until gloo's own timeout (``comm.timeout_s``):
-    aborting the group does not wake a pending receive (measured here, torch 2.14.1), so the thread is a
-    daemon and holds only the message buffers, as a retired group holds its pending work (``_retire``).
+    A wait given up on (a peer lost) must not leave the thread blocked in gloo: aborting or shutting down
+    the group does not wake a pending receive (it waits out ``comm.timeout_s``), and a process that exits
+    normally meanwhile aborts (``terminate called without an active exception``, SIGABRT: measured here,
+    torch 2.14.1). :meth:`abandon` ends it.
     """
 
     def __init__(self, works: Sequence[Any]) -> None:
@@ -70,6 +74,19 @@ class _WaitedAside:
 
     def is_completed(self) -> bool:
         return not self._thread.is_alive()
+
+    def abandon(self, pg: Any, peers: Sequence[int]) -> None:
+        """End the thread's wait now (the group is given up: the survivors re-form without it). A receive
+        that times out makes gloo close every pair of the group's context, which fails every pending wait
+        at once; no one ever sends on its tag."""
+        for peer in peers:
+            if not self._thread.is_alive():
+                return
+            try:
+                pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _ABANDON_TAG).wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # the timeout that closes the pairs (or a pair already closed): what is wanted
+                pass
+            self._thread.join(timeout=1.0)
 
     def wait(self) -> None:
         self._thread.join()
@@ -396,7 +413,10 @@ class TorchDistCommunicator(Communicator):
         # (a node lost whole, whose connections never close) or another survivor registering for the next
         # re-formation ends the wait within a poll, not at comm.timeout_s.
         waited = _WaitedAside(works)
-        self._guarded("send_recv", None, lambda: self._finish(waited, "send_recv"))
+        try:
+            self._guarded("send_recv", None, lambda: self._finish(waited, "send_recv"))
+        finally:
+            waited.abandon(pg, [*recvs, *sends])  # nothing left to wait for when it returned or failed by itself
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._watched:
