@@ -6,7 +6,8 @@ all-reduce: every survivor meets the loss as ``PeerLost``, :meth:`regroup` renum
 same communicator object then averages over the new world and over owner groups made for the
 survivors' plan (``MaskPlan.without``), broadcasts a unit to its new owner bit for bit and gathers
 objects, all under the new ranks. Last, a heal's point-to-point messages with a peer lost without a
-closed connection (a node lost whole): the receiver learns it from the store's mark, not at the timeout.
+closed connection (a node lost whole): the receiver learns it from the store's mark, not at the timeout;
+and the world of a join whose newcomer was marked dead: the members learn it from the mark too.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     gathered = comm.all_gather_object({"old": m.old_rank})
     comm.barrier()
     heal = _heal_with_a_peer_lost_whole(comm, m)
+    if m.old_rank != 3:
+        heal.update(_join_of_a_newcomer_that_died(comm, m))
     torch.save({"lost": lost, "last": last, "members": m.members, "commit": m.commit_step,
                 "consistent": m.consistent, "rank": comm.rank, "world": comm.world_size,
                 "world_sum": world_sum.tolist(), "sums": sums, "unit": unit, "gathered": gathered,
@@ -117,6 +120,20 @@ def _heal_with_a_peer_lost_whole(comm: GlooCommunicator, m) -> dict:
         store.set("heal_ended", "1")
 
 
+def _join_of_a_newcomer_that_died(comm: GlooCommunicator, m) -> dict:
+    """The world of a join (``grow``) with a replacement (worker 4) the supervisor marked dead before it came:
+    the members' wait ends at the mark, not at gloo's rendezvous timeout (comm.timeout_s, 20 s).
+    # collective: old ranks 0 and 1."""
+    comm._job_store.set(f"{DEAD_KEY}/4", "exit 1")  # as the supervisor marks a replacement that died
+    decided = {"world": [0, 1], "id": 4, "slot": 2, "generation": m.generation + 1, "step": 9}
+    t0 = time.monotonic()
+    try:
+        comm.grow(decided)
+        return {"join_error": None}
+    except PeerLost as e:
+        return {"join_error": str(e), "join_lost": e.lost, "join_seconds": time.monotonic() - t0}
+
+
 def test_communicator_regroups_after_a_sigkill(tmp_path):
     store = host_store(30)  # this process is the supervisor: it outlives every worker
     ctx = mp.get_context("spawn")
@@ -157,6 +174,10 @@ def test_communicator_regroups_after_a_sigkill(tmp_path):
     assert heal["heal_lost"] == [2] and heal["heal_seconds"] < 5, heal  # today's rank of old rank 3
     assert heal["heal_left"] == [], heal
     assert torch.equal(res[1]["heal_got"], torch.arange(256, dtype=torch.uint8))
+    for old in (0, 1):  # a join's world watches the store too: a newcomer marked dead ends the members' wait
+        r = res[old]
+        assert r["join_error"] == "rank 4 died (the supervisor's store said so before forming the world of the join)", r
+        assert r["join_lost"] == [2] and r["join_seconds"] < 5, r
     for old in survivors:  # figures for docs/inprocess.md (printed with -s, never asserted)
         print(f"rank {old}: kill -> first all-reduce on the re-formed world {res[old]['seconds']:.3f} s")
     print(f"rank 0: a peer marked dead -> PeerLost in the heal's send_recv {heal['heal_seconds']:.3f} s")

@@ -203,8 +203,14 @@ class TorchDistCommunicator(Communicator):
         threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True).start()
 
     def _become(self, m: Membership, timeout: float) -> None:
-        """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective)."""
-        world = form_world(self._job_store, m, timeout)  # collective: every member of m reaches this
+        """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective).
+
+        The members check in at the store first (``gather_members``), as before a re-formed world: a member
+        or the newcomer marked dead meanwhile ends every member's wait at once (:class:`PeerLost`), where
+        gloo's own rendezvous would wait ``timeout`` for it."""
+        # collective: every member of m reaches this.
+        gather_members(self._job_store, m, m.members, timeout, "forming the world of the join")
+        world = form_world(self._job_store, m, timeout)
         self._membership, self._origin = m, m.members
         self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
         self._groups = {self.world: world}
