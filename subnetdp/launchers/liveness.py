@@ -41,9 +41,18 @@ class Liveness:
         self.silence_s = silence_s
         self._seen: dict[int, tuple[int, float]] = {}  # node -> (its last count, when it changed, our clock)
         self.lost: list[int] = []
+        self.store_gone = False
+
+    def stop(self) -> None:
+        """The store failed (its host, node 0's supervisor, died): beat and watch no more. Every call on a
+        dead store fails after torch's client has written a warning with a C++ backtrace; there is nobody
+        left to tell anything anyway."""
+        self.store_gone = True
 
     def tick(self) -> list[int]:
         """Beat once, and mark the workers of every node found silent; returns the nodes lost by this tick."""
+        if self.store_gone:
+            return []
         self.store.add(f"{NODE_KEY}/{self.node}/beat", 1)
         now, newly = time.monotonic(), []
         for n in self.workers_of:
@@ -68,8 +77,11 @@ class Liveness:
 
     def pending(self) -> list[int]:
         """The other nodes that arrived and neither ended nor were lost (node 0 keeps the store up for them)."""
+        if self.store_gone:
+            return []
         return [n for n in self._seen if n not in self.lost and not self.store.check([f"{NODE_KEY}/{n}/done"])]
 
     def done(self) -> None:
         """This node's supervisor ends normally: the others must not take its silence for a loss."""
-        self.store.set(f"{NODE_KEY}/{self.node}/done", "1")
+        if not self.store_gone:
+            self.store.set(f"{NODE_KEY}/{self.node}/done", "1")

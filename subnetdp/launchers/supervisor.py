@@ -12,6 +12,7 @@ went silent (:mod:`subnetdp.launchers.liveness`), so a node lost whole is marked
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -19,7 +20,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -76,6 +78,8 @@ def supervise(store: Any, workers: dict[int, Any], timeout_s: float, poll_s: flo
             print(f"subnetdp supervisor: the job's store is gone ({str(e).splitlines()[0][:120]}): its host, "
                   "node 0's supervisor, died; the workers here take the restart path", flush=True)
             store = None
+            if liveness is not None:
+                liveness.stop()  # no more beats nor watching: each call on the dead store fails anew
         if all(c is not None for c in codes.values()) and len(codes) == len(workers):
             # A replacement that never joined left because the job ended (one line): no failure of the job.
             joined = (lambda r: True) if store is None else (lambda r: store.check([f"{JOIN_KEY}/{r}/decided"]))
@@ -208,8 +212,42 @@ def _store_of(place: Place, timeout_s: float) -> Any:
                           fix) from None
 
 
+@contextlib.contextmanager
+def _native_stderr_to(path: Path | None) -> Iterator[int | None]:
+    """While supervising, this process's C++ side writes to ``path``; yields the console's descriptor.
+
+    torch's ``TCPStore`` client writes a warning and its C++ backtrace straight to file descriptor 2
+    before it raises (15 lines when node 0, the store's host, dies under another node's supervisor):
+    the console keeps the one line this supervisor says about it, the log the rest, as the workers'
+    C++ side goes to ``logs/rank_R.stderr`` (``train/failures.route_native_stderr``). Python's
+    ``sys.stderr`` and the workers (started with the yielded descriptor) keep the console.
+    """
+    if path is None:
+        yield None
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stderr.flush()
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        yield None  # the console keeps it all: better noisy than silent
+        return
+    console, python_stderr = os.dup(2), sys.stderr
+    os.dup2(target, 2)
+    os.close(target)
+    sys.stderr = open(os.dup(console), "w", buffering=1, encoding=getattr(python_stderr, "encoding", None) or "utf-8",
+                      errors="backslashreplace")
+    try:
+        yield console
+    finally:
+        sys.stderr.close()
+        sys.stderr = python_stderr
+        os.dup2(console, 2)
+        os.close(console)
+
+
 def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, replacements: int = 0,
-                      place: Place = Place()) -> int:
+                      place: Place = Place(), native_log: Path | None = None) -> int:
     """``launch.on_failure=continue``: run ``python -m subnetdp <argv>`` in ``nproc`` workers under this process.
 
     This process hosts the job's store (the workers reach it as torchrun's workers reach the
@@ -218,8 +256,15 @@ def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0,
     not reaped dead ended well, else the first non-zero exit code. ``replacements``: how many dead
     workers in all are replaced by a fresh worker that joins the survivors (``launch.replace``).
     ``place``: this node of a job over several (node 0 hosts the store, the others join it; each
-    beats and watches the others: :mod:`subnetdp.launchers.liveness`).
+    beats and watches the others: :mod:`subnetdp.launchers.liveness`). ``native_log``: where this
+    process's C++ side writes while it supervises (:func:`_native_stderr_to`; None: the console).
     """
+    with _native_stderr_to(native_log) as console:
+        return _supervised(nproc, argv, timeout_s, replacements, place, console)
+
+
+def _supervised(nproc: int, argv: Sequence[str], timeout_s: float, replacements: int, place: Place,
+                console: int | None) -> int:
     from subnetdp.launchers.lifetime import PARENT_ENV
 
     store = _store_of(place, timeout_s)
@@ -234,7 +279,7 @@ def launch_supervised(nproc: int, argv: Sequence[str], timeout_s: float = 600.0,
     def start(rank: int, extra: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "subnetdp", *argv],
                                 env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank - first), **extra},
-                                start_new_session=True)
+                                start_new_session=True, stderr=console)
 
     workers: dict[int, Any] = {r: start(r, {}) for r in range(first, first + nproc)}
     liveness = None

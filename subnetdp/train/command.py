@@ -136,13 +136,17 @@ def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None
         record_invocation()  # the workers' resume commands name the program as it was started here
         if continuing:
             from subnetdp.launchers.supervisor import Place, launch_supervised
+            from subnetdp.train.failures import LOGS, NATIVE_ENV
 
             where = "" if place is None else (f" of node {place.node} of {place.nodes}, ranks {place.node * nproc}-"
                                               f"{place.node * nproc + nproc - 1} (job store at {place.host}:{place.port})")
             print(f"starting {nproc} local workers{where} (subnetdp supervisor: a dead worker is not restarted, "
                   "the others go on)", flush=True)
+            node = place.node if place is not None else 0  # its C++ side's warnings go to the run's logs/
+            native = (None if os.environ.get(NATIVE_ENV) == "console" else
+                      upfront.run_dir_of(cfg) / LOGS / f"supervisor_node{node}.stderr")
             return launch_supervised(nproc, argv, timeout_s=settings.comm.timeout_s, replacements=launch.replace,
-                                     place=place or Place())
+                                     place=place or Place(), native_log=native)
         restarts = launch.max_restarts
         again = f", restarted up to {restarts} time(s) after a failure" if restarts else ""
         print(f"starting {nproc} local workers (torch elastic launcher, standalone rendezvous{again})", flush=True)

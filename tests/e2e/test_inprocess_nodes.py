@@ -14,6 +14,11 @@ failures, so one pair of start-ups pays for both:
 Neither agreement may wait out ``comm.timeout_s`` for an unmarked rank (the survivors say so in one
 line when they have to); no finished step is trained twice; the owners' digests agree after every
 step (``recovery.verify_every=1``), after both heals.
+
+Node 0 lost whole is the other case: its supervisor hosts the job's store, so nobody can agree on
+anything after it. The smallest job that shows it (a worker per node, every unit owned on both):
+node 1's worker must take the restart path within seconds (its files, the ``resume=auto`` line, exit
+2), its supervisor say so in one line, and those files alone let a restart resume the last step.
 """
 
 from __future__ import annotations
@@ -22,11 +27,18 @@ import json
 import os
 import re
 import sys
+import time
 
 import pytest
+from omegaconf import OmegaConf
 
+from subnetdp.core.contracts import DataSpec
 from subnetdp.plugins.comm._rendezvous import free_port
+from subnetdp.sdp.construct import meta_model
+from subnetdp.sdp.variants import partition_model
 from subnetdp.train import faults
+from subnetdp.train.checkpoints import lineage, survivors
+from tests.helpers import plugin_manager
 from tests.e2e.test_multinode import ENV, Agent, _assert_nobody_left, _wait_for, agents  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses prctl")
@@ -85,3 +97,60 @@ def test_survivors_on_both_nodes_go_on_after_a_worker_and_then_a_whole_node_die(
     plan = json.loads((run / "plan.json").read_text())  # node 0 holds both survivors: one node left
     assert (plan["nodes"], plan["node_of_rank"], plan["node_failures_survived"]) == (1, [0, 0], 0), plan
     _assert_nobody_left(str(tmp_path), agents)
+
+
+def _expected(run, step: int, rank: int) -> survivors.Expected:
+    """What ``resume=auto`` checks the survivors' files against (the model's partition, built on ``meta``)."""
+    frag = survivors.fragment_dir(run, step, rank)
+    header = json.loads((frag / survivors.FRAGMENT).read_text())["header"]
+    cfg = OmegaConf.load(frag / "config.yaml")
+    adapter = plugin_manager().registries["model"].get(cfg.model.name)(cfg.model)
+    spec = DataSpec(**header["data_spec"])
+    return survivors.Expected(lineage.read(run), header["model"], partition_model(adapter, meta_model(adapter, spec),
+                                                                                  cfg.masker, spec))
+
+
+def test_when_node_0_the_stores_host_dies_whole_node_1_keeps_its_units_and_leaves_at_once(tmp_path, agents):
+    timeout_s = 60
+    # A worker per node, every unit owned by both (C = 1 at W = 2); the run is far from its end when node 0 goes.
+    args = ["resnet18_digits", "train.steps=40", "train.batch_size=4", "train.log_every=1", "train.progress=false",
+            "eval.bn_recalibrate_batches=0", "eval.every=0", "optim.warmup_steps=0", "masker.coverage=1",
+            "masker.min_owners=2", "launch.threads_per_rank=1", f"comm.timeout_s={timeout_s}", "launch.nproc=1",
+            "launch.nodes=2", "launch.on_failure=continue"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "subnetdp", "train", *args, f"run.dir={tmp_path}", "run.name=job",
+               f"launch.rdzv_endpoint={endpoint}", f"launch.node_rank={node}"]
+        agents.append(Agent(cmd, tmp_path / f"node{node}"))
+    host, other = agents
+    run = tmp_path / "job"
+    metrics = run / "metrics.jsonl"
+    _wait_for("two finished steps", lambda: max(_steps(metrics), default=0) >= 2, timeout=400, every=0.05)
+    host.kill_group()  # node 0's supervisor by SIGKILL, the job's store with it; its worker dies with it
+    killed = time.monotonic()
+    last_before = max(_steps(metrics))
+    assert other.wait(400) == 2, other.console[-6000:]
+    seconds = time.monotonic() - killed
+    host.wait(60)
+    print(f"\nnode 0 SIGKILLed after step {last_before} -> node 1's supervisor ended: {seconds:.1f} s")  # docs' figure
+    console = other.console
+    # Node 1's worker met the closed connection at once and the store's absence at the agreement: no wait
+    # ran into comm.timeout_s, which is all a bound of half of it can rule out on a loaded machine.
+    assert seconds < timeout_s / 2, (seconds, console[-6000:])
+    kept = re.search(r"subnetdp: error: rank 1 stopped in step \d+: .*; it kept its units as of step (\d+) in "
+                     r"(\S+); continue with: .* resume=auto ", console)
+    assert kept, console[-6000:]
+    assert "not going on in-process: the survivors did not re-form (the job's store is gone" in console, console
+    assert console.count("subnetdp supervisor: the job's store is gone (") == 1, console
+    # One line per process: torch's C++ store warnings (and their backtraces) are in the run's logs/.
+    assert "Traceback" not in console and "DistNetworkError" not in console and "TCPStore" not in console, console
+    assert not re.search(r"frame #\d+:|\.cpp:\d+", console), console
+    warned = (run / "logs" / "supervisor_node1.stderr").read_text()
+    assert warned.count("[c10d]") == 1, warned  # once the store failed, the supervisor used it no more
+    _assert_nobody_left(str(tmp_path), agents)
+    # resume=auto picks the step node 1's worker finished last: every unit had an owner there.
+    step = int(kept.group(1))
+    assert last_before <= step <= last_before + 1 and kept.group(2) == str(survivors.fragment_dir(run, step, 1))
+    done = survivors.assemble(run, _expected(run, step, 1), None)
+    assert done is not None and done.checkpoint is not None and done.checkpoint.name == f"step_{step:08d}", done
+    assert done.message.startswith(f"recovered step {step} from the surviving owners (ranks [1]; lost: [0])"), done

@@ -47,6 +47,53 @@ class WorkHandle(Handle):
                 self.comm._guarded("all_reduce", self.group, lambda: self.comm._finish(self.work, "all_reduce"))
 
 
+_ABANDON_TAG = 0x5DB  # a point-to-point tag nothing sends on (the heal's messages use tag 0)
+
+
+class _WaitedAside:
+    """Point-to-point works waited for on a thread of their own, read as one work that ``wait_or_regroup``
+    can watch: gloo's report completion only once waited for (``is_completed`` stays False until then).
+
+    A wait given up on (a peer lost) must not leave the thread blocked in gloo: aborting or shutting down
+    the group does not wake a pending receive (it waits out ``comm.timeout_s``), and a process that exits
+    normally meanwhile aborts (``terminate called without an active exception``, SIGABRT: measured here,
+    torch 2.14.1). :meth:`abandon` ends it.
+    """
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._wait, args=(list(works),), name="subnetdp-send-recv", daemon=True)
+        self._thread.start()
+
+    def _wait(self, works: list[Any]) -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as e:  # handed to the waiting thread, which names the lost peer (_guarded)
+            self._error = e
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def abandon(self, pg: Any, peers: Sequence[int]) -> None:
+        """End the thread's wait now (the group is given up: the survivors re-form without it). A receive
+        that times out makes gloo close every pair of the group's context, which fails every pending wait
+        at once; no one ever sends on its tag."""
+        for peer in peers:
+            if not self._thread.is_alive():
+                return
+            try:
+                pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _ABANDON_TAG).wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # the timeout that closes the pairs (or a pair already closed): what is wanted
+                pass
+            self._thread.join(timeout=1.0)
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 class TorchDistCommunicator(Communicator):
     """Shared code of the ``torch.distributed`` backends; subclasses set ``backend``."""
 
@@ -157,8 +204,14 @@ class TorchDistCommunicator(Communicator):
         threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True).start()
 
     def _become(self, m: Membership, timeout: float) -> None:
-        """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective)."""
-        world = form_world(self._job_store, m, timeout)  # collective: every member of m reaches this
+        """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective).
+
+        The members check in at the store first (``gather_members``), as before a re-formed world: a member
+        or the newcomer marked dead meanwhile ends every member's wait at once (:class:`PeerLost`), where
+        gloo's own rendezvous would wait ``timeout`` for it."""
+        # collective: every member of m reaches this.
+        gather_members(self._job_store, m, m.members, timeout, "forming the world of the join")
+        world = form_world(self._job_store, m, timeout)
         self._membership, self._origin = m, m.members
         self.env = dataclasses.replace(self.env, rank=m.rank, world_size=m.world_size)
         self._groups = {self.world: world}
@@ -225,7 +278,12 @@ class TorchDistCommunicator(Communicator):
         self._retire()
         generation = (self._membership.generation if self._membership else 0) + 1
         timeout = self.cfg.timeout_s
-        m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
+        try:
+            m = agree(self._job_store, origin[self.rank], origin, [], generation, last_step, timeout)
+        except dist.DistNetworkError as e:  # not a member lost: the one place every survivor meets is gone
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+            raise SubnetdpError(f"the job's store is gone ({why}): the supervisor that hosts it (node 0's, over "
+                                "several nodes) died") from None
         # From the agreement on, this is the membership: when a member dies before the world forms, the
         # next re-formation is the next generation, among these members (the agreed keys are never reused).
         self._membership, self._origin = m, m.members
@@ -354,10 +412,18 @@ class TorchDistCommunicator(Communicator):
             self.bytes.add(self.world, tensor.numel() * tensor.element_size())  # what this rank hands over
         works = [self._guarded("send", None, lambda t=t, d=d: pg.send([t], d, 0)) for d, t in sends.items()]
         works += [self._guarded("recv", None, lambda t=t, r=r: pg.recv([t], r, 0)) for r, t in recvs.items()]
-        for work in works:
-            # A point-to-point work reports completion only once waited for (gloo), so the store is not
-            # watched here: a dead peer of the pair closes the connection, a stalled one hits the timeout.
-            self._guarded("send_recv", None, work.wait)
+        if self._job_store is None:  # a dead peer of a pair closes the connection, a stalled one hits the timeout
+            for work in works:
+                self._guarded("send_recv", None, work.wait)
+            return
+        # Supervised, the heal's waits watch the store as every other wait does (_finish): a peer marked dead
+        # (a node lost whole, whose connections never close) or another survivor registering for the next
+        # re-formation ends the wait within a poll, not at comm.timeout_s.
+        waited = _WaitedAside(works)
+        try:
+            self._guarded("send_recv", None, lambda: self._finish(waited, "send_recv"))
+        finally:
+            waited.abandon(pg, [*recvs, *sends])  # nothing left to wait for when it returned or failed by itself
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._watched:
