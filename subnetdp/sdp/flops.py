@@ -70,6 +70,8 @@ def plan_flops(adapter: ModelAdapter, full: nn.Module, partition: Partition, pla
     batch = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in batch)
     full_fwd, full_step = step_flops(adapter, copy.deepcopy(full), batch)
     seen: dict[tuple, tuple[int, int]] = {}
+    # A rank that owns every unit holds the full model (C = 1): its count is the one just made.
+    seen[_shape_key(partition, range(len(partition.units)))] = (full_fwd, full_step)
     fwd, step = [], []
     for owned in plan.owned:
         key = _shape_key(partition, owned)

@@ -51,3 +51,18 @@ def test_meta_count_equals_the_real_models_count_and_sets_the_matched_steps(over
     report = plan_report(cfg, 4, pm, only_rank=0)  # one dry run: the FLOP count covers every rank
     assert report["flops"]["train_step"] == ratios.train_step
     assert report["flops"]["flop_matched_steps"] == round(40 / ratios.train_step) > 40
+
+
+def test_a_rank_that_owns_every_unit_counts_as_the_full_model():
+    # C = 1 (neuron level: the narrowing, with its rescaling, that is most apt to differ): the count made
+    # for the full model serves every rank, and it is the real full-width local model's count.
+    cfg = small_config("train.batch_size=2", "data.seq_len=32", "masker.coverage=1", "masker.granularity=neuron",
+                       recipe="llama_tiny_stdlib")
+    data, spec, adapter, full, partition, plan = build_plan(cfg, 2, plugin_manager())
+    batch = next(iter(data.train_loader(0, 2, 2)))
+    ratios = plan_flops(adapter, full, partition, plan, cfg.masker, batch)
+    assert ratios.per_rank_train_step == (1.0, 1.0) and ratios.train_step == ratios.forward == 1.0
+    torch.manual_seed(0)
+    real_full = build_model(adapter, spec)
+    model, _ = local_model(adapter, copy.deepcopy(real_full), plan.owned[0], partition, cfg.masker)
+    assert _real_step_flops(adapter, model, batch) == _real_step_flops(adapter, real_full, batch) == ratios.full_train_step
