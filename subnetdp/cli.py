@@ -50,7 +50,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from subnetdp.train.configure import load_config
-    from subnetdp.train.report import plan_figure
+    from subnetdp.train.picture import plan_picture
     from subnetdp.core.plan import MaskPlan
     from subnetdp.plan.report import format_report, plan_report
     from subnetdp.core.errors import ConfigError
@@ -82,8 +82,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     report = plan_report(cfg, world, pm, estimate=not ns.no_estimate)
     if ns.png:
         plan = MaskPlan.from_dict(report)
-        fig = plan_figure(plan.as_image(), [u["name"] for u in report["units"]], plan.owner_counts())
-        fig.savefig(ns.png, dpi=120)
+        plan_picture(plan.as_image(), [u["name"] for u in report["units"]], plan.owner_counts()).save(ns.png)
     print(json.dumps(report, indent=2) if ns.json else format_report(report))
     return 0
 

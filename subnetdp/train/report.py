@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from subnetdp.core import config as config_mod
@@ -27,6 +28,7 @@ from subnetdp.core.contracts import RunContext, RunResult
 from subnetdp.core.hookspecs import hookimpl
 from subnetdp.train.failures import stamp
 from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
+from subnetdp.train.picture import plan_picture
 from subnetdp.train.runlog import RunLogger
 
 if TYPE_CHECKING:
@@ -370,7 +372,7 @@ def write_start(ctx: RunContext, state: "TrainState", log: RunLogger) -> None:
     drawn = (str(ctx.run_dir), plan.digest())
     if drawn not in _DRAWN:  # a join returns to the plan this run drew at its start: not again, in its pause
         _DRAWN.add(drawn)
-        log.figure("plan/ownership", plan_figure(plan.as_image(), names, plan.owner_counts()))
+        log.image("plan/ownership", np.asarray(plan_picture(plan.as_image(), names, plan.owner_counts())), dataformats="HWC")
         log.image("plan/ownership_matrix", plan.as_image())
     # At the step the plan holds from: a re-planned world's figures follow the first's.
     log.scalars(state.step, {"plan/spectral_gap": plan_dict["spectral_gap"], "plan/components": plan_dict["components"],
@@ -462,23 +464,6 @@ def format_summary(summary: dict[str, Any], run_dir: Path) -> str:
                      + (f"{r['bytes_sent_per_step'] / 2**20:>11.2f} MiB  " if r["bytes_sent_per_step"] is not None else f"{'n/a':>15}  ")
                      + (f"{r['step_time_s'] * 1000:>6.0f} ms" if r["step_time_s"] is not None else "     n/a"))
     return "\n".join(lines)
-
-
-def plan_figure(owned_image: Any, unit_names: list[str], counts: list[int]) -> Any:
-    """A ranks x units heat map of the mask plan, with owner counts in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks, units = owned_image.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * units + 1.5), max(2.0, 0.35 * ranks + 1.2)))
-    ax.imshow(owned_image, cmap="Blues", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(units), unit_names, rotation=90, fontsize=7)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=7)
-    ax.set_title(f"mask plan (owners per unit: {min(counts)}..{max(counts)})", fontsize=9)
-    fig.tight_layout()
-    return fig
 
 
 def write_json(path: Path, obj: Any) -> None:

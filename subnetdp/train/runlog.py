@@ -56,13 +56,9 @@ class RunLogger:
             # One bin per integer value: owner counts are small integers.
             self.global_writer.add_histogram(tag, values, step, bins=np.arange(values.min(), values.max() + 2) - 0.5)
 
-    def figure(self, tag: str, fig: Any, step: int = 0) -> None:
+    def image(self, tag: str, img: Any, step: int = 0, dataformats: str = "HW") -> None:
         if self.global_writer is not None:
-            self.global_writer.add_figure(tag, fig, step)
-
-    def image(self, tag: str, img: Any, step: int = 0) -> None:
-        if self.global_writer is not None:
-            self.global_writer.add_image(tag, img, step, dataformats="HW")
+            self.global_writer.add_image(tag, img, step, dataformats=dataformats)
 
     def close(self) -> None:
         for w in (self.global_writer, self.rank_writer):
