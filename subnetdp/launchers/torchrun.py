@@ -18,7 +18,8 @@ with it exits at once (:mod:`subnetdp.launchers.lifetime`).
 The agent's own log records (torch's ``torch.distributed`` loggers: a failed worker's exit code,
 rendezvous rounds, restarts) go to ``RUN_DIR/logs/agent_<host>_<pid>.log`` when the arguments name the
 run, as a job over several nodes must: the console keeps one line per rank, and the workers route
-their C++ side's output to ``logs/`` too (:func:`subnetdp.train.failures.route_native_stderr`).
+their C++ side's output to ``logs/`` too (:func:`subnetdp.train.failures.route_native_stderr`). The
+agent's own C++ side logs errors only (:func:`quiet_native_warnings`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,31 @@ if TYPE_CHECKING:
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"  # torchrun's --signals-to-handle, from the environment
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's wait for the workers after a signal (30 s)
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+NATIVE_ENV = "SUBNETDP_NATIVE_STDERR"  # train/failures.py's (importing it would import torch): "console" keeps it all
+
+
+def quiet_native_warnings() -> None:
+    """Start torch in this agent with its C++ side logging errors only; its workers keep the level they had.
+
+    When the agents of a job over several nodes finish, the one hosting the rendezvous store may exit
+    while another is still closing its rendezvous: that one's ``TCPStore`` client prints a warning and a
+    C++ backtrace (15 lines) straight to the console before torch raises the error, which the agent's log
+    records (measured: an occasional failure of the quiet-console test). The agent cannot send its file
+    descriptor 2 to a file as a worker does: its workers inherit it. c10 reads ``TORCH_CPP_LOG_LEVEL`` once,
+    when torch starts, so the variable is set for that moment only. ``SUBNETDP_NATIVE_STDERR=console`` leaves it.
+    """
+    if os.environ.get(NATIVE_ENV) == "console" or "torch" in sys.modules:
+        return
+    given = os.environ.get(CPP_LOG_ENV)
+    os.environ[CPP_LOG_ENV] = "ERROR"
+    try:
+        import torch  # noqa: F401  (its C++ side reads the level now, once)
+    finally:
+        if given is None:
+            del os.environ[CPP_LOG_ENV]
+        else:
+            os.environ[CPP_LOG_ENV] = given
 
 
 def _first_line(error: BaseException) -> str:
@@ -135,9 +161,9 @@ def stop_watch(args: list[str]) -> "StopWatch | None":
 def main(argv: list[str] | None = None) -> int:
     from subnetdp.launchers.lifetime import PARENT_ENV
 
-
     os.environ.setdefault(SHARE_STORE_ENV, "1")
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers' parent: they die with this agent
+    quiet_native_warnings()  # before torch's first import below
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
