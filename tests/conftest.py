@@ -55,6 +55,10 @@ def pytest_collection_modifyitems(config, items):
         path = nodeid.split("::", 1)[0]
         if path.startswith(_SLOW_DIRS) or path in _SLOW_FILES or nodeid in _SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+            # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) the slow tests run one at a time on
+            # one worker, as without it: each starts process groups that fill both cores and several bound
+            # how long a death or a stall may take. The in-process tests run beside them on the other worker.
+            item.add_marker(pytest.mark.xdist_group("spawning"))
 
 
 def pytest_sessionstart(session):
