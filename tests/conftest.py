@@ -60,21 +60,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) these run one at a time on one worker, as without
+# it: they start launchers and process groups that fill both cores, kill, stall or signal them, and bound how
+# long a death, a stall or a signal may take. Everything else (the in-process tests, and the spawned 2- and
+# 4-rank equality tests of tests/dist, which bound nothing but a hard timeout) runs beside them on the other.
+_ONE_AT_A_TIME = ("tests/e2e/", "tests/dist/test_stalled_peer.py", "tests/dist/test_inprocess_comm.py",
+                  "tests/dist/test_inprocess_regroup.py", "tests/dist/test_stop_agreement.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    # Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) the slow tests are one unit of work, run one
-    # at a time on one worker, as without it: each starts process groups that fill both cores, and several
-    # bound how long a death or a stall may take. The in-process tests run beside them on the other worker.
-    # (pytest-xdist 3.8's own xdist_group marks do not group under pytest 9: the nodeid they rename is read-only.)
+    # pytest-xdist 3.8's own xdist_group marks do not group under pytest 9 (the nodeid they rename is
+    # read-only there): the scheduler itself maps those tests to one unit of work.
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SlowApart(LoadScopeScheduling):
+    class OneAtATime(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "slow" if _slow(nodeid) else nodeid
+            return "one-at-a-time" if nodeid.split("::", 1)[0].startswith(_ONE_AT_A_TIME) else nodeid
 
-    return SlowApart(config, log)
+    return OneAtATime(config, log)
 
 
 def pytest_sessionstart(session):
