@@ -68,7 +68,7 @@ _ONE_AT_A_TIME = ("tests/e2e/", "tests/dist/test_stalled_peer.py", "tests/dist/t
                   "tests/dist/test_inprocess_regroup.py", "tests/dist/test_stop_agreement.py")
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # a hook of pytest-xdist, a dev dependency
 def pytest_xdist_make_scheduler(config, log):
     # pytest-xdist 3.8's own xdist_group marks do not group under pytest 9 (the nodeid they rename is
     # read-only there): the scheduler itself maps those tests to one unit of work.
