@@ -105,6 +105,7 @@ class TorchDistCommunicator(Communicator):
         self._groups: dict[tuple[int, ...], Any] = {}
         self._stalls: dict[str, int] = {}  # failed collectives per world (membership): each gets its own keys
         self._marks = MarkWatch()  # what the store held when a collective's wait last looked
+        self._retiring: list[threading.Thread] = []  # threads dropping the groups of worlds left behind (_retire)
         self._job_store: Any = None  # the launcher's store, unprefixed: where the supervisor marks the dead
         self._origin: tuple[int, ...] = ()  # after a re-formation: the job's first rank of each rank of now
         self._membership: Membership | None = None
@@ -201,7 +202,9 @@ class TorchDistCommunicator(Communicator):
         for i in range(len(old)):  # by index: no loop variable keeps a group alive in this frame
             release(old[i])
         self._groups = {}
-        threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True).start()
+        retiring = threading.Thread(target=old.clear, name="subnetdp-retired-groups", daemon=True)
+        retiring.start()
+        self._retiring.append(retiring)
 
     def _become(self, m: Membership, timeout: float) -> None:
         """Answer ``m``'s rank and world from now on, in a world formed under its prefix (collective).
@@ -458,6 +461,11 @@ class TorchDistCommunicator(Communicator):
         self._guarded("barrier", None, dist.barrier)
 
     def shutdown(self) -> None:
+        # A process that exits while a retired group's destructor runs on its thread aborts (SIGABRT,
+        # "terminate called without an active exception": measured, a member leaving at once after a join
+        # that failed). The destructor ends by itself, at the latest when its pending work times out.
+        for retiring in self._retiring:
+            retiring.join(timeout=self.cfg.timeout_s)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
