@@ -26,6 +26,7 @@ import torch
 from subnetdp.core import config as config_mod
 from subnetdp.core.contracts import RunContext, RunResult
 from subnetdp.core.hookspecs import hookimpl
+from subnetdp.train.checkpoints.unlogged import last_logged
 from subnetdp.train.failures import stamp
 from subnetdp.train.meter import Meter, bytes_by_group, tensor_digest
 from subnetdp.train.picture import plan_picture
@@ -234,7 +235,7 @@ class Reporter:
         losses = [loss for _, mine in theirs for loss in mine]
         # Only rank 0 writes, and its log says whether the row is there (rank 0 of the world before may
         # have died after writing it).
-        if ctx.rank == 0 and losses and last_row(ctx.run_dir / "metrics.jsonl") < step:
+        if ctx.rank == 0 and losses and last_logged(ctx.run_dir / "metrics.jsonl", step) < step:
             mark = {"ranks": list(self.meter.workers), "world_size": was.world_size, "steps": sorted(owed)}
             record = {"step": step, "train/loss": sum(losses) / len(losses),
                       "train/lr": state.optimizer.param_groups[0]["lr"], **self.consumed(step), "recovered": mark}
@@ -334,19 +335,6 @@ def consumed_before(metrics: Path, step: int) -> tuple[int, float, float]:
         if seen and isinstance(at, int) and at <= step:
             best = (at, float(seen[0]), float(record.get("train/flops") or 0.0))
     return best
-
-
-def last_row(metrics: Path) -> int:
-    """The step of the last training row in ``metrics.jsonl`` (0: none)."""
-    if not metrics.is_file():
-        return 0
-    rows = []
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash
-    return max((r["step"] for r in rows if "train/loss" in r and isinstance(r.get("step"), int)), default=0)
 
 
 def show_bar(progress: bool | None) -> bool:
