@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: "console": leave the C++ side's stderr of workers, supervisors and agents on the console (debugging)
+NATIVE_ENV = "SUBNETDP_NATIVE_STDERR"
 LOG_FIELD = "subnetdp_log"  # our own field in the error file; torch reads only message and timestamp
 
 

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from subnetdp.launchers.failures import describe_failures
+from subnetdp.launchers.failures import NATIVE_ENV, describe_failures
 
 if TYPE_CHECKING:
     from subnetdp.launchers.local import StopWatch
@@ -42,7 +42,6 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"  # torchrun's --signals-to-handle, from the environment
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's wait for the workers after a signal (30 s)
 CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
-NATIVE_ENV = "SUBNETDP_NATIVE_STDERR"  # train/failures.py's (importing it would import torch): "console" keeps it all
 
 
 def quiet_native_warnings() -> None:

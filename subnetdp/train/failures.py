@@ -23,11 +23,10 @@ from typing import Any, NamedTuple, Optional
 
 from subnetdp.core.contracts import RunContext
 from subnetdp.core.errors import PeerLost, SubnetdpError
-from subnetdp.launchers.failures import tell_agent
+from subnetdp.launchers.failures import NATIVE_ENV, tell_agent
 from subnetdp.train.stopping import Interrupted, continue_command
 
 LOGS = "logs"
-NATIVE_ENV = "SUBNETDP_NATIVE_STDERR"  # "console": leave the C++ side's stderr on the console (debugging)
 
 
 def log_path(run_dir: Path, rank: int) -> Path:
