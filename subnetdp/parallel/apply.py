@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from subnetdp.core.contracts import Communicator, ModelAdapter
-from subnetdp.parallel.checkpointing import apply_ac
+from subnetdp.parallel.checkpointing import apply_ac, checkpointed_positions
 from subnetdp.parallel.compile import apply_compile
 
 
@@ -32,6 +32,11 @@ class Parallelism(Protocol):
 
     def apply(self, model: nn.Module, adapter: ModelAdapter) -> None:
         """Checkpointing, compile and FSDP on ``model``'s blocks, from outside it. Collective when sharded."""
+
+    def applied_after_drop(self, model: nn.Module, adapter: ModelAdapter) -> bool:
+        """After ``model`` lost blocks in place (``ModelAdapter.drop_units``): whether what :meth:`apply`
+        made of it is what it would make of it now (the same blocks checkpointed, every block compiled,
+        no shards), so it trains on without a new build."""
 
     def sharding(self) -> Any:
         """What the synchroniser factory is given for sharded gradients, or None without FSDP."""
@@ -103,6 +108,16 @@ class RankParallelism:
                 self.mesh = fsdp.replica_mesh(self.comm, self.shard_size)
             fsdp.apply_fsdp(model, blocks, self.mesh["shard"], fsdp.mixed_precision(self.precision),
                             self.reshard_after_forward)
+
+    def applied_after_drop(self, model: nn.Module, adapter: ModelAdapter) -> bool:
+        if self.sharded:
+            return False
+        blocks = adapter.blocks(model)
+        held = [i for i, b in enumerate(blocks) if getattr(b, "_subnetdp_checkpointed", False)]
+        if held != checkpointed_positions(len(blocks), self.ac_every):
+            return False  # checkpointing every k-th block: the positions moved
+        self.checkpointed, self.compiled = held, len(blocks) if self.compile_backend else 0
+        return True
 
     def sharding(self) -> Any:
         """What :func:`~subnetdp.sdp.sync.make_synchronizer` needs for sharded gradients

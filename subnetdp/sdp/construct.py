@@ -243,3 +243,36 @@ def initial_model(adapter: ModelAdapter, spec: DataSpec, seed: int, device: torc
     model = meta_model(adapter, spec)
     initialise(model, identity_map(model), Initialiser(meta_model(adapter, spec), adapter, seed), device)
     return model
+
+
+def drop_in_place(adapter: ModelAdapter, model: nn.Module, pmap: ParamMap, owned: Sequence[int],
+                  partition: Partition) -> ParamMap | str | None:
+    """``model`` (a subnetwork holding more units than ``owned``) less every unit not in ``owned``, in
+    place (:meth:`~subnetdp.core.contracts.ModelAdapter.drop_units`): its new map; None when the
+    adapter cannot (``model`` is untouched); a line saying what is wrong when the adapter's result
+    fails the check (``model`` is then changed and must not be trained: the caller builds anew).
+
+    The check: the model holds exactly the tensors its new map names, each the same object with the
+    same pieces as before, and it lost exactly the tensors of the dropped units (a shared tensor or
+    one holding pieces of several units stays)."""
+    held = dict(_named_tensors(model))
+    new = adapter.drop_units(model, owned, partition)
+    if new is None:
+        return None
+    now, keep = dict(_named_tensors(model)), set(owned)
+    if set(now) - set(held):
+        return f"it made tensors the model did not hold: {sorted(set(now) - set(held))[:3]}"
+    if set(now) != set(new.pieces):
+        return f"its map names {sorted(set(now) ^ set(new.pieces))[:3]} but the model does not hold them, or holds them unnamed"
+    for name, t in held.items():
+        unit = pmap.unit_of.get(name)
+        if (unit is not None and unit not in keep) != (name not in now):
+            return f"{name} ({'unit ' + str(unit) if unit is not None else 'shared'}) was {'kept' if name in now else 'dropped'}"
+        if name in now and (now[name] is not t or new.pieces[name] != pmap.pieces[name]):
+            return f"{name} is not the tensor it was, or maps to other pieces"
+    return new
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()

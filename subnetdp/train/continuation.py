@@ -138,6 +138,7 @@ class LiveReader:
         self.names: dict[str, list[str]] = {}  # piece key -> its value's and its optimizer state's names
         for name, t in pieces.items():
             self._add(name, t)
+        self.own = frozenset(self.pieces)  # views of this rank's live tensors (the rest it receives)
         self.copies: dict[int, dict[str, torch.Tensor]] = {rank: dict(buffers)}
         self.moved = 0  # bytes every rank sent in the last exchange, the same figure on every rank
 
@@ -148,6 +149,12 @@ class LiveReader:
 
     def get(self, key: str, prefix: str = "", shape: Any = None, rank: Any = None, dtype: Any = None) -> torch.Tensor:
         return self.pieces[prefix + key]
+
+    def lends(self, key: str, prefix: str = "") -> bool:
+        """Whether :func:`units.load_pieces` may take this tensor as it is rather than copy it: a view of
+        this rank's own optimizer state, which the re-plan drops (one it received is a view of the buffer
+        the message came in, which would keep the whole message alive)."""
+        return prefix + key in self.own
 
     def kinds(self, key: str, rank: Any = None) -> dict[str, set[str]]:
         found = {n.split("/", 1)[0] for n in self.names.get(key, ()) if "/" in n}

@@ -157,9 +157,10 @@ _built_count = 0
 
 
 def track_model(model: torch.nn.Module) -> None:
-    """Test-only: remember (weakly) a model the training state built, when ``$MODELS_ALIVE`` is set."""
+    """Test-only: remember (weakly) a model the training state built, when ``$MODELS_ALIVE`` is set (a
+    model installed again, having lost units in place, is counted once)."""
     global _built_count
-    if os.environ.get(MODELS_ALIVE):
+    if os.environ.get(MODELS_ALIVE) and model not in _built:
         _built.add(model)
         _built_count += 1
 

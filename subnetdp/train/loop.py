@@ -101,7 +101,8 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
         ckpt.mark_finished(first - 1)
     full = went_on.full if went_on is not None else state.plan  # the W-rank plan a join returns to
     batches = (_to_device(b, comm.device) for b in loader)
-    meter = Meter(comm, state.parallel, first, steps, cfg.train.memory_step)
+    meter = Meter(comm, state.parallel, first, steps, cfg.train.memory_step, (state.plan.digest(), state.units),
+                  went_on.counted.peaks if went_on is not None else None, continued=went_on is not None)
     probe = AlignmentProbe(ctx, state, meter)  # train.grad_alignment_every
     owners = OwnerCheck(ctx, state)  # recovery.verify_every
     evaluation: Evaluation | None = None

@@ -27,12 +27,24 @@ class Meter:
     out of the step times.
     """
 
-    def __init__(self, comm: Communicator, parallel: Any, first: int, steps: int, memory_step: int) -> None:
+    def __init__(self, comm: Communicator, parallel: Any, first: int, steps: int, memory_step: int,
+                 held: Any = None, measured: dict[Any, int] | None = None, continued: bool = False) -> None:
         self.comm, self.parallel, self.first = comm, parallel, first
-        self.measured_step = min(max(memory_step, first), steps)
         self.step_times: list[float] = []
         self.last_step_time = 0.0
         self.peak_cpu = 0
+        # ``held``: what this rank holds (its plan's digest and its units); ``measured``: the peaks this
+        # process measured in the worlds before, by what it held then. A world re-formed in-process
+        # (``continued``) measures at its own ``memory_step``-th step (its first warms up, as a run's
+        # does), and not at all where this rank holds what it measured before (the members of a world
+        # grown back at a join): the figure is that one.
+        self.held, self.measured = held, dict(measured or {})
+        if not continued:
+            self.measured_step: int | None = min(max(memory_step, first), steps)
+        elif held in self.measured and not parallel.sharded:
+            self.measured_step, self.peak_cpu = None, self.measured[held]
+        else:
+            self.measured_step = min(first + memory_step - 1, steps)
         self.step_peak = 0
         self._groups_at_start = dict(comm.bytes.by_group)
         self._phases_at_start = {p: comm.bytes.total(p) for p in comm.bytes.by_phase}
@@ -63,6 +75,8 @@ class Meter:
         self._groups_at_step_end = dict(self.comm.bytes.by_group)  # what a world left by a death had moved
         if measure or (probe and self.parallel.sharded):
             self.peak_cpu = tracker.peak if measure else 0
+            if measure and self.held is not None:
+                self.measured[self.held] = self.peak_cpu
         else:
             self.step_times.append(self.last_step_time)
         # A log step's figure is the peak up to its step's end: its evaluation, reported after it, is not in it.

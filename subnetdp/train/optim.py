@@ -47,11 +47,17 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 def build_schedule(cfg: Any, optimizer: torch.optim.Optimizer, total_steps: int,
                    start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning-rate schedule of ``optimizer``, at step ``start`` (a rebuilt optimizer keeps the run's position)."""
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, cfg.warmup_steps, cfg.schedule))
+    """The learning-rate schedule of ``optimizer``, at step ``start`` (a rebuilt optimizer keeps the run's
+    position): made there, as ``start`` calls of ``step()`` would leave it (the factor depends on the step
+    alone), without making them (a re-plan at step 100,000 would have paid 100,000 of them)."""
+    warmup, schedule = int(cfg.warmup_steps), str(cfg.schedule)  # read once: the factor runs every step
+
+    def factor(s: int) -> float:
+        return lr_factor(s, total_steps, warmup, schedule)
+
+    if start > 0:
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fast-forwarding the schedule before the first optimizer step
-        for _ in range(start):
-            scheduler.step()
-    return scheduler
+        warnings.simplefilter("ignore")  # its first step comes before the optimizer's
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start - 1)

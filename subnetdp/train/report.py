@@ -45,12 +45,13 @@ class Counted:
 
     ``consumed``: (step, samples or tokens seen, FLOPs) at the last finished step; ``groups``: payload
     bytes and steps by owner group in worker ids (:meth:`Meter.worker_group_bytes`); ``world_size``: the
-    world before's. (Each rank's losses no row holds yet are its checkpointer's, which the next adopts.)
+    world before's; ``peaks``: the tensor peaks this rank measured, by what it held (``Meter.measured``). (Each rank's losses no row holds yet are its checkpointer's, which the next adopts.)
     """
 
     consumed: tuple[int, float, float] | None = None
     groups: Any = None
     world_size: int = 0
+    peaks: Any = None  # the tensor peaks this rank measured, by what it held (Meter.measured)
 
 
 class Reporter:
@@ -205,7 +206,8 @@ class Reporter:
     def counted(self, ctx: RunContext, step: int) -> Counted:
         """What the next world's reporter and meter take over when the world re-forms after ``step``."""
         step_, seen, flops = self.counts(step)
-        return Counted((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size)
+        return Counted((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size,
+                       self.meter.measured)
 
     def take_over(self, ctx: RunContext, state: "TrainState", was: Counted, ckpt: "Checkpointer") -> None:
         """Go on from the world before (``was``: its :meth:`counted`; every member and a newcomer call

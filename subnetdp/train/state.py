@@ -30,7 +30,7 @@ from subnetdp.core.plan import MaskPlan
 from subnetdp.parallel.apply import RankParallelism
 from subnetdp.parallel.memory import training_state_tensors
 from subnetdp.parallel.wrapper import SubnetworkParallel
-from subnetdp.sdp.construct import build_local, empty_local, poisoned
+from subnetdp.sdp.construct import build_local, drop_in_place, empty_local, poisoned
 from subnetdp.sdp.keep_rates import describe, forward_keep_rates, rescale_branches, rising_rates
 from subnetdp.sdp.pieces import LocalIndex
 from subnetdp.sdp.resample import Resampler, receive_from_owners
@@ -135,16 +135,17 @@ class TrainState(TrainStateView):
                                   ctx.comm.device)
         return cls(ctx, partition, plan, model, pmap, last_good)
 
-    def _install(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan) -> None:
-        """Make ``model`` the trained one: parallelisms, optimizer, schedule at the current step,
-        synchroniser, refresher. Collective: FSDP's mesh (once) and the owner groups (the communicator
-        keeps them, so a re-drawn plan of the family finds its groups made)."""
+    def _install(self, model: nn.Module, pmap: ParamMap, plan: MaskPlan, applied: bool = False) -> None:
+        """Make ``model`` the trained one: parallelisms (unless ``applied``: a model that lost units in
+        place keeps them), optimizer, schedule at the current step, synchroniser, refresher. Collective:
+        FSDP's mesh (once) and the owner groups (the communicator keeps them, so a re-drawn plan of the
+        family finds its groups made)."""
         ctx, cfg = self._ctx, self._ctx.cfg
         self._model, self._pmap = model, pmap
         self._units = tuple(plan.owned[ctx.rank])  # what the model holds (a re-formed world may keep it)
         faults.track_model(model)  # test-only
-        # collective when sharded: activation checkpointing, compile and FSDP, from outside the model.
-        self._parallel.apply(model, ctx.adapter)
+        if not applied:  # collective when sharded: activation checkpointing, compile and FSDP, from outside the model.
+            self._parallel.apply(model, ctx.adapter)
         self._optimizer = build_optimizer(cfg.optim, model.parameters())
         self._scheduler = build_schedule(cfg.optim, self._optimizer, ctx.steps, start=self._step)
         self._synchronise(plan)
@@ -208,6 +209,11 @@ class TrainState(TrainStateView):
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The units this rank's model holds (a world after a join may hold what one before did)."""
+        return self._units
 
     @property
     def wrapper(self) -> Optional[SubnetworkParallel]:
@@ -301,13 +307,16 @@ class TrainState(TrainStateView):
         the plan to go on with. The synchroniser is rebuilt for the new world (its owner groups are new).
         A rank whose model already holds exactly its units under ``new_plan`` (a survivor that gains and
         loses none; a newcomer, built for its units at set-up) keeps its model, optimizer and schedule,
-        and the source loads into them in place; any other gets a new model, optimizer and schedule,
-        filled from ``source``, as any re-plan does. Either way a tensor left unfilled is an error.
+        and the source loads into them in place. A rank that only loses units (a member at a join, which
+        drops the units it gained at W-1) drops them from its model in place where the adapter can
+        (``ModelAdapter.drop_units``), with a new optimizer and schedule over the tensors it keeps. Any
+        other gets a new model, optimizer and schedule, as any re-plan does. ``source`` fills them (it
+        fetched every piece before: nothing reads the model as it was). A tensor left unfilled is an error.
         """
         self._detach()
         keep = tuple(new_plan.owned[ctx.rank]) == self._units
         self._ctx, self._plan = ctx, before
-        self._replan(new_plan, source, rebuild=True, keep=keep)
+        self._replan(new_plan, source, rebuild=True, keep=keep, drop=not keep)
 
     def replan(self, new_plan: MaskPlan, source: PieceSource) -> None:
         """Continue under ``new_plan``, with every piece's values from ``source``. Collective.
@@ -322,7 +331,8 @@ class TrainState(TrainStateView):
         """
         self._replan(new_plan, source, rebuild=new_plan.digest() != self._plan.digest())
 
-    def _replan(self, new_plan: MaskPlan, source: PieceSource, rebuild: bool, keep: bool = False) -> None:
+    def _replan(self, new_plan: MaskPlan, source: PieceSource, rebuild: bool, keep: bool = False,
+                drop: bool = False) -> None:
         ctx, previous = self._ctx, None
         if rebuild:
             previous = Holding(self._model, self._pmap, self._plan)
@@ -330,7 +340,7 @@ class TrainState(TrainStateView):
             if keep:  # the same units in a new world: only the owner groups are new (regroup)
                 self._model.zero_grad(set_to_none=True)  # views into the old synchroniser's buckets
                 self._synchronise(new_plan)
-            else:
+            elif not (drop and self._drop_units(new_plan)):
                 model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition,
                                           ctx.cfg.masker, ctx.comm.device)
                 self._install(model, pmap, new_plan)
@@ -345,6 +355,26 @@ class TrainState(TrainStateView):
         if step is not None:
             self._step = step
         self._keep_rates_rise(self._rates_run if source.trained_rates is None else source.trained_rates)
+
+    def _drop_units(self, plan: MaskPlan) -> bool:
+        """Lose, in place, the units this rank's model holds beyond its units under ``plan``, and train on
+        with the rest (their tensors, values and optimizer state as they are): True. False when ``plan``
+        gives it a unit it does not hold, the adapter cannot drop units, its result fails the check (said
+        in one line), or the parallelisms applied would differ on a new build: the caller builds anew."""
+        ctx = self._ctx
+        units = tuple(plan.owned[ctx.rank])
+        if not set(units) < set(self._units):
+            return False
+        pmap = drop_in_place(ctx.adapter, self._model, self._pmap, units, self._partition)
+        if isinstance(pmap, str):
+            print(f"subnetdp: rank {ctx.rank}: the model adapter's drop_units left the model wrong ({pmap}); "
+                  "building the smaller subnetwork anew", flush=True)
+            return False
+        if pmap is None or not self._parallel.applied_after_drop(self._model, ctx.adapter):
+            return False
+        self._model.zero_grad(set_to_none=True)  # views into the old synchroniser's buckets
+        self._install(self._model, pmap, plan, applied=True)
+        return True
 
     def _keep_rates_rise(self, trained: dict[str, float]) -> None:
         """Block-level forward masking: scale each residual branch whose keep rate the new plan raises

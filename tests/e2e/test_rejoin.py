@@ -53,6 +53,11 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert sorted(len(s) for s in segments.values()) == [1, 1, 3, 3, 3], segments
     assert all(alive == 1 for s in segments.values() for alive, _ in s), segments
     assert [s for s in segments.values() if len(s) == 1] == [[(1, 1)]] * 2, segments
+    # A member builds no model at the join either: one that gained units at W-1 (a new model then) drops
+    # them from it in place (ModelAdapter.drop_units), and one that gained none keeps its own.
+    members = [s for s in segments.values() if len(s) == 3]
+    assert all(s[2][1] == s[1][1] for s in members), segments
+    assert any(s[1][1] == 2 for s in members), segments  # some member did gain units at W-1
     run = tmp_path / "rejoin"
     assert faults.fault_marker(run, faults.KILL_IN_SYNC, 3, 1).exists()  # the SIGKILL happened
     assert "old ranks [0, 2, 3]) go on in-process from step 2" in console, console[-4000:]

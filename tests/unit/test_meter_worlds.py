@@ -53,3 +53,44 @@ def test_bytes_by_group_name_workers_across_a_death_and_count_each_world_s_steps
     tags = {k: v for k, v in three.rank_scalars(5).items() if k.startswith("rank/bytes_by_group/")}
     assert tags == {"rank/bytes_by_group/0-2": 7.0, "rank/bytes_by_group/0-2-3": 30.0}
     assert three.bytes_per_step(3)[0] == 37.0  # this world's payload per step
+
+
+class _Tracked(_Unsharded):  # a real tracker on the measured step, and a record of the steps it ran on
+    def __init__(self) -> None:
+        self.tracked: list[int] = []
+        self.step = 0
+
+    def memory_tracker(self, baseline: int):
+        from subnetdp.parallel.memory import TensorMemoryTracker
+
+        self.tracked.append(self.step)
+        return TensorMemoryTracker(baseline)
+
+
+def _measure(meter: Meter, parallel: _Tracked, steps: range) -> None:
+    for step in steps:
+        parallel.step = step
+        with meter.step(step, lambda: []):
+            torch.ones(1000).sum()  # 4,000 bytes held at once
+
+
+def test_a_re_formed_world_measures_at_its_own_memory_step_and_not_again_what_a_rank_held_before():
+    counter, parallel = ByteCounter(), _Tracked()
+    w4 = ("plan-4", (0, 1))
+    first = Meter(_Comm(counter, (0, 1, 2, 3)), parallel, 1, 100, 2, w4)
+    _measure(first, parallel, range(1, 6))
+    assert parallel.tracked == [2] and first.peak_memory() >= 4000 and first.measured == {w4: first.peak_memory()}
+    # A death at step 5: at W-1 this rank holds more; the new world's first step warms up, its second is measured.
+    w3 = ("plan-3", (0, 1, 2))
+    after_death = Meter(_Comm(counter, (0, 2, 3)), parallel, 6, 100, 2, w3, first.measured, continued=True)
+    _measure(after_death, parallel, range(6, 12))
+    assert parallel.tracked == [2, 7] and set(after_death.measured) == {w4, w3}
+    # A join at step 11 returns to the W-rank plan: what this rank held at the start, measured then.
+    after_join = Meter(_Comm(counter, (0, 1, 2, 3)), parallel, 12, 100, 2, w4, after_death.measured, continued=True)
+    _measure(after_join, parallel, range(12, 20))
+    assert parallel.tracked == [2, 7] and after_join.peak_memory() == first.peak_memory()
+    assert after_join.measured_step is None and len(after_join.step_times) == 8  # every step timed
+    # A newcomer has measured nothing: its world's second step.
+    newcomer = Meter(_Comm(counter, (0, 4, 2, 3)), parallel, 12, 100, 2, w4, None, continued=True)
+    _measure(newcomer, parallel, range(12, 15))
+    assert parallel.tracked == [2, 7, 13]

@@ -150,6 +150,8 @@ FROZEN_API: dict[str, list[str]] = {
         'blocks(self, submodel: "\'nn.Module\'") -> "list[\'nn.Module\']"',
         'branch_output_layers(self, model: "\'nn.Module\'") -> "dict[str, list[\'nn.Module\']]"',
         'build(self, spec: \'DataSpec\') -> "\'nn.Module\'"',
+        # A member of a world grown back at a join drops the units it gained in place (optional: None builds anew).
+        'drop_units(self, submodel: "\'nn.Module\'", owned: \'Sequence[int]\', partition: \'Partition\') -> \'Optional[ParamMap]\'',
         "has_hf_export(cls) -> 'bool'",
         'hf_export(self, model: "\'nn.Module\'", options: \'dict[str, Any]\', bos: \'Optional[int]\' = None, eos: \'Optional[int]\' = None) -> "tuple[dict[str, Any], dict[str, \'torch.Tensor\']]"',
         'hidden_sites(self, model: "\'nn.Module\'") -> \'list[HiddenSite]\'',

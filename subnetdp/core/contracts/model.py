@@ -65,6 +65,15 @@ class ModelAdapter(Plugin, abc.ABC):
         narrowed hidden activation by ``K_g / n_g`` in training.
         """
 
+    def drop_units(self, submodel: "nn.Module", owned: Sequence[int], partition: Partition) -> Optional[ParamMap]:
+        """Optional: remove from ``submodel`` (a subnetwork :meth:`materialize` made), in place, every unit
+        not in ``owned`` (a subset of the units it holds), and return its new map. Every tensor it keeps
+        must stay the same object with the same pieces (its values and optimizer state go on as they
+        are; the framework checks, and builds anew when they do not). Used when a member of a world
+        that grows back at a join only loses units (docs/inprocess.md). None, the default: the adapter
+        cannot, and the framework builds the smaller subnetwork anew (on ``meta``, filled from the old)."""
+        return None
+
     def blocks(self, submodel: "nn.Module") -> list["nn.Module"]:
         """The materialised blocks, in forward order (for activation checkpointing and FSDP)."""
         return []

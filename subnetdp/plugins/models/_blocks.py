@@ -115,7 +115,8 @@ class BlockAdapter(ModelAdapter):
     its ``neurons.py``: the adapter's ``partition`` and ``materialize`` for both levels.
 
     A subclass names its blocks (:meth:`named_blocks`) and their costs (:meth:`block_costs`), says
-    how a subnetwork loses the blocks it does not own (:meth:`drop_blocks`), and sets
+    how a subnetwork loses the blocks it does not own (:meth:`drop_blocks`, which is called again on a
+    subnetwork it made, to drop more of them in place: :meth:`drop_units`), and sets
     ``neuron_partition`` and ``materialize_neurons`` (as ``staticmethod``) to its neuron-level functions.
     """
 
@@ -156,6 +157,14 @@ class BlockAdapter(ModelAdapter):
             return self.materialize_neurons(model, owned, partition, rescale)
         self.drop_blocks(model, {partition.units[u].name for u in owned})
         return model, identity_param_map(model, partition)
+
+    def drop_units(self, submodel: nn.Module, owned: Sequence[int], partition: Partition) -> ParamMap | None:
+        """Block level: :meth:`drop_blocks` again, on the subnetwork (it keys blocks by their original
+        indices); neuron level: None (a narrowed tensor would change shape)."""
+        if partition.granularity != "block":
+            return None
+        self.drop_blocks(submodel, {partition.units[u].name for u in owned})
+        return identity_param_map(submodel, partition)
 
 
 class ImageClassifierAdapter(BlockAdapter):

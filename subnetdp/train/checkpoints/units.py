@@ -247,6 +247,9 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
     ``own`` (same plan and world size): where every owner wrote its copy, this rank's own; otherwise
     the writer's (the lowest-ranked old owner's)."""
     mine_only = rank if own else None
+    # A reader of tensors this process holds (the survivors' pieces in memory) may lend a whole tensor's
+    # optimizer state as it is; a file's are copied.
+    lends = getattr(reader, "lends", None)
     state: dict[str, dict[str, torch.Tensor]] = {}
     kinds_of: dict[str, set[str]] = {}
     extra: dict[str, dict[str, torch.Tensor]] = {}
@@ -260,7 +263,9 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
         param = index.tensors[local]
         dst = _cut(param, found)
         if fill:
-            dst.copy_(reader.get(key, shape=tuple(dst.shape), rank=mine_only, dtype=dst.dtype))
+            src = reader.get(key, shape=tuple(dst.shape), rank=mine_only, dtype=dst.dtype)
+            if not _same_memory(src, dst):  # a live reader serves a rank's own pieces as views of its tensors
+                dst.copy_(src)
         kinds = reader.kinds(key, mine_only)
         for prefix in kinds["extra"]:  # a tensor of its parameter's local shape, as the synchroniser keeps it
             held_extra = extra.setdefault(prefix, {})
@@ -274,12 +279,22 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
         kinds_of[local] = held
         mine = state.setdefault(local, {})
         for k in kinds["optim"]:
+            value = reader.get(key, f"{OPTIM}{k}/", tuple(dst.shape), mine_only)
             if k not in mine:
+                if (lends is not None and lends(key, f"{OPTIM}{k}/") and dst.shape == param.shape
+                        and value.shape == param.shape and value.dtype == param.dtype):
+                    mine[k] = value  # the whole tensor's state, as the reader holds it: taken, not copied
+                    continue
                 mine[k] = torch.zeros(param.shape, dtype=param.dtype)
-            _cut(mine[k], found).copy_(reader.get(key, f"{OPTIM}{k}/", tuple(dst.shape), mine_only))
+            _cut(mine[k], found).copy_(value)
         for k in kinds["scalar"]:
             mine.setdefault(k, reader.get(key, f"{SCALAR}{k}/", rank=mine_only))  # the same on every piece of a tensor
     return {n: s for n, s in state.items() if s}, extra
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.device == b.device)
 
 
 @torch.no_grad()

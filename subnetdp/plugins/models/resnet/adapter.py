@@ -112,14 +112,14 @@ class ResNetAdapter(ImageClassifierAdapter):
         return [(f"{stage}.{bi}", stage, block) for stage in STAGES for bi, block in enumerate(getattr(model, stage))]
 
     def drop_blocks(self, model: nn.Module, keep: set[str]) -> None:
+        # By the blocks' keys, their original indices: a subnetwork this made loses more blocks the same way.
         for stage in STAGES:
-            layer = getattr(model, stage)
             kept: OrderedDict[str, nn.Module] = OrderedDict()
-            for bi, block in enumerate(layer):
-                if f"{stage}.{bi}" in keep:
-                    kept[str(bi)] = block
+            for key, block in getattr(model, stage).named_children():
+                if f"{stage}.{key}" in keep or isinstance(block, DroppedBlock):
+                    kept[key] = block
                 elif block.downsample is not None:
-                    kept[str(bi)] = DroppedBlock(block.downsample)
+                    kept[key] = DroppedBlock(block.downsample)
             setattr(model, stage, nn.Sequential(kept))
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:

@@ -151,9 +151,10 @@ class SwinAdapter(ImageClassifierAdapter):
 
     def drop_blocks(self, model: nn.Module, keep: set[str]) -> None:
         for si in stage_indices(model):
-            # The original block objects under their original indices: shift and drop-path stay theirs.
-            kept = OrderedDict((str(bi), block) for bi, block in enumerate(model.features[si])
-                               if f"features.{si}.{bi}" in keep)
+            # The original block objects under their original indices (their keys, so a subnetwork this
+            # made loses more blocks the same way): shift and drop-path stay theirs.
+            kept = OrderedDict((key, block) for key, block in model.features[si].named_children()
+                               if f"features.{si}.{key}" in keep)
             model.features[si] = nn.Sequential(kept)
 
     def blocks(self, submodel: nn.Module) -> list[nn.Module]:
