@@ -60,6 +60,7 @@ class Continued:
     seconds: float
     gained: int  # pieces that moved to a new owner over the network
     run: Any = None  # a newcomer's: the run id and lineage it goes on with, as ``Checkpointer.adopt`` reads them
+    said: Any = None  # a join's: what every rank tells the next world's reporter (``Reporter.said``), in rank order
 
 
 class Handover(NamedTuple):
@@ -289,9 +290,10 @@ class SurvivorsPieces:
 
     def __init__(self, reader: LiveReader, before: MaskPlan, step: Optional[int], state: "TrainState",
                  absent: tuple[int, ...] = (), position: Optional[dict[str, int]] = None,
-                 run: Optional[dict[str, Any]] = None) -> None:
+                 run: Optional[dict[str, Any]] = None, said: Any = None) -> None:
         self.reader, self.before, self.step, self.gained = reader, before, step, 0
         self.absent, self.position, self.run = absent, position, run  # run: the checkpoints' run id and lineage
+        self.said: Any = said  # what this rank tells the next world's reporter; after fetch, every rank's
         self.fetched = False
         # What the old optimizer and schedule carry over (hyper-parameters, the schedule's position);
         # each parameter's state comes with its pieces.
@@ -309,9 +311,11 @@ class SurvivorsPieces:
             # A join's newcomer also learns where the run stands, from the members' (all alike).
             mine = None if not self.absent or self.step is None else (self.step, self.optimizer, self.schedule,
                                                                           self.position, self.run)
-            self.gained, theirs = self.reader.exchange(state, self.before, after, self.absent, also=mine)  # collective
+            # collective; what the next world's reporter needs of every rank rides along (a join's)
+            self.gained, theirs = self.reader.exchange(state, self.before, after, self.absent, also=(mine, self.said))
             if self.absent:
-                self.step, self.optimizer, self.schedule, self.position, self.run = next(m for m in theirs if m is not None)
+                self.step, self.optimizer, self.schedule, self.position, self.run = next(m for m, _ in theirs if m is not None)
+            self.said = [said for _, said in theirs] if all(said is not None for _, said in theirs) else None
         self.fetched = True
 
     def load(self, state: "TrainState", previous: Optional["Holding"]) -> int:

@@ -112,7 +112,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
             hook.subnetdp_on_run_start(context=ctx, state=state)
             reporter.carry_over(ctx, state, ckpt)  # the counts a resume goes on from; a step nobody logged
             if went_on is not None:  # collective on a log step: the world before's losses, counts and bytes go on
-                reporter.take_over(ctx, state, went_on.counted, ckpt)
+                reporter.take_over(ctx, state, went_on.counted, ckpt, went_on.continued.said)
             if stopper is not None:
                 stopper.armed = True  # from here a signal stops the run at the next step boundary
             state.model.train()
@@ -155,7 +155,8 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                     if who:
                         _stop(ctx, ckpt, step, who)
                 if (joining := join_due(ctx, state, step, full)) is not None:  # one store check a step; collective when due
-                    raise WentOn(grow(ctx, state, ckpt, joining, full), ckpt, reporter.counted(ctx, step), full)
+                    counted = reporter.counted(ctx, step)
+                    raise WentOn(grow(ctx, state, ckpt, joining, full, reporter.said(counted, ckpt, state)), ckpt, counted, full)
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
                 evaluation = evaluate_run(ctx, state, steps)  # collective
                 hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,

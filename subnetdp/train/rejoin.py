@@ -103,8 +103,9 @@ class _Renumbered:
 
 
 def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: dict[str, Any],
-         full: MaskPlan) -> Continued:
-    """A member: take the newcomer in at this boundary and go back to the W-rank plan ``full``.
+         full: MaskPlan, said: Any = None) -> Continued:
+    """A member: take the newcomer in at this boundary and go back to the W-rank plan ``full``. ``said``:
+    what this rank tells the next world's reporter (``Reporter.said``), carried by the heal's gather.
     Collective: every member and the newcomer. Raises :class:`JoinFailed` (one line) when it could not."""
     start, comm = time.monotonic(), ctx.comm
     old_world, slot, step = comm.world_size, int(decided["slot"]), int(decided["step"])
@@ -114,8 +115,8 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
         new_ctx = dataclasses.replace(ctx, env=comm.env)
         position = dict(ckpt.loader.state_dict())
         reader = LiveReader(m.rank, *held_pieces(state, m.rank, before))
-        source = SurvivorsPieces(reader, before, step, state, absent=(slot,),
-                                 position=position, run={"run_id": ckpt.run_id, "lineage": ckpt.lineage})
+        source = SurvivorsPieces(reader, before, step, state, absent=(slot,), position=position,
+                                 run={"run_id": ckpt.run_id, "lineage": ckpt.lineage}, said=said)
         _meet(new_ctx, source, full, state, step)  # collective
     except (PeerLost, SubnetdpError, RuntimeError) as e:
         lost = e.lost if isinstance(e, PeerLost) else []
@@ -129,7 +130,7 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
               f"(the plan it had before the death); {source.gained} piece(s) sent to it over the network "
               f"({source.reader.moved / 2**20:.2f} MiB of values, optimizer state and buffers), "
               f"in {seconds:.2f} s", flush=True)
-    return Continued(new_ctx, step, position, old_world, m.members, seconds, source.gained)
+    return Continued(new_ctx, step, position, old_world, m.members, seconds, source.gained, said=source.said)
 
 
 def join(ctx: RunContext, state: "TrainState") -> Optional[Continued]:
@@ -143,11 +144,12 @@ def join(ctx: RunContext, state: "TrainState") -> Optional[Continued]:
     comm.arrive()  # collective: the world of W, with the members' grow
     slot = int(decided["slot"])
     before = with_newcomer(MaskPlan(comm.world_size - 1, decided["plan"], state.plan.num_units), slot)
-    source = SurvivorsPieces(LiveReader(comm.rank, {}, {}), before, None, state, absent=(slot,))
+    # It tells the reporters nothing (it consumed nothing, owes no loss): the members' counts go on.
+    source = SurvivorsPieces(LiveReader(comm.rank, {}, {}), before, None, state, absent=(slot,), said=(None, []))
     _meet(ctx, source, state.plan, state, int(decided["step"]))  # collective: with the members' _meet
     state.regroup(ctx, before, state.plan, source)
     assert source.step is not None and source.position is not None and source.run is not None
     # What Checkpointer.adopt takes of the members' checkpointer: the run goes on under its id and lineage.
     run = Handover(source.run["run_id"], source.run["lineage"], Unlogged(), None)
     return Continued(ctx, source.step, source.position, comm.world_size - 1, comm.origin,
-                     time.monotonic() - start, source.gained, run)
+                     time.monotonic() - start, source.gained, run, source.said)

@@ -209,7 +209,15 @@ class Reporter:
         return Counted((int(step_), seen, flops), self.meter.worker_group_bytes(finished=True), ctx.world_size,
                        self.meter.measured)
 
-    def take_over(self, ctx: RunContext, state: "TrainState", was: Counted, ckpt: "Checkpointer") -> None:
+    def said(self, was: Counted, ckpt: "Checkpointer", state: "TrainState") -> tuple[Any, list[float]]:
+        """What this rank tells every rank of the next world (:meth:`take_over`): what the world before had
+        consumed, and, when the step the world re-forms after is a log step, its losses no row holds."""
+        step = state.step
+        owed = ckpt.unlogged.upto(step, state.progress) if step % self.log_every == 0 or step == self.steps else {}
+        return was.consumed, list(owed.values())
+
+    def take_over(self, ctx: RunContext, state: "TrainState", was: Counted, ckpt: "Checkpointer",
+                  said: list[Any] | None = None) -> None:
         """Go on from the world before (``was``: its :meth:`counted`; every member and a newcomer call
         this at the first step boundary of the new world). Its counts of what was consumed (the members',
         which a newcomer adopts: every checkpoint and survivor's file records them, and the survivors'
@@ -217,14 +225,16 @@ class Reporter:
         checkpointer's, kept since the last row, the step the world re-formed after among them even when
         the death came before the reporter heard of it) join the next row; when that step is a log step
         whose row is not in the log (a death between the update and the row), the survivors write it
-        now from them, marked ``"recovered"`` (the dead ranks' are gone). Collective: one gather."""
+        now from them, marked ``"recovered"`` (the dead ranks' are gone). Collective: one gather, unless
+        ``said`` holds what every rank said (:meth:`said`; a join's heal carried it)."""
         step, comm = state.step, ctx.comm
         self.meter.take_over(was.groups)
         owed = ckpt.unlogged.upto(step, state.progress)
         log_step = step % self.log_every == 0 or step == self.steps
-        with comm.bytes.phase("log"):
-            # collective: every rank of the new world, once
-            theirs = comm.all_gather_object((was.consumed, list(owed.values()) if log_step else []))
+        theirs = said
+        if theirs is None:
+            with comm.bytes.phase("log"):
+                theirs = comm.all_gather_object(self.said(was, ckpt, state))  # collective: every rank of the new world
         counts = next((c for c, _ in theirs if c is not None), None)
         if counts is not None:
             self.base = (int(counts[0]), float(counts[1]), float(counts[2]))

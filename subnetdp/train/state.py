@@ -155,6 +155,7 @@ class TrainState(TrainStateView):
         every rank creates every owner group, in the same order (the communicator keeps them)."""
         ctx, cfg, model, pmap = self._ctx, self._ctx.cfg, self._model, self._pmap
         self._plan = plan
+        self._synced = (plan.digest(), ctx.comm.rank)  # what its buckets are laid out for (groups go by ranks)
         sharded = self._parallel.sharding()
         self._wrapper: SubnetworkParallel | None = None
         if sharded is None and self._settings.mode != "local_steps" and not regime_of(cfg.masker).refreshes:
@@ -307,16 +308,18 @@ class TrainState(TrainStateView):
         the plan to go on with. The synchroniser is rebuilt for the new world (its owner groups are new).
         A rank whose model already holds exactly its units under ``new_plan`` (a survivor that gains and
         loses none; a newcomer, built for its units at set-up) keeps its model, optimizer and schedule,
-        and the source loads into them in place. A rank that only loses units (a member at a join, which
+        and the source loads into them in place (a newcomer keeps its synchroniser too). A rank that only loses units (a member at a join, which
         drops the units it gained at W-1) drops them from its model in place where the adapter can
         (``ModelAdapter.drop_units``), with a new optimizer and schedule over the tensors it keeps. Any
         other gets a new model, optimizer and schedule, as any re-plan does. ``source`` fills them (it
         fetched every piece before: nothing reads the model as it was). A tensor left unfilled is an error.
         """
-        self._detach()
         keep = tuple(new_plan.owned[ctx.rank]) == self._units
+        # A newcomer's synchroniser, made at set-up for this plan and rank, stays: it reaches the owner
+        # groups by their ranks, and they are made now.
+        stays = keep and self._synced == (new_plan.digest(), ctx.comm.rank)
         self._ctx, self._plan = ctx, before
-        self._replan(new_plan, source, rebuild=True, keep=keep, drop=not keep)
+        self._replan(new_plan, source, rebuild=True, keep=keep, drop=not keep, stays=stays)
 
     def replan(self, new_plan: MaskPlan, source: PieceSource) -> None:
         """Continue under ``new_plan``, with every piece's values from ``source``. Collective.
@@ -332,18 +335,21 @@ class TrainState(TrainStateView):
         self._replan(new_plan, source, rebuild=new_plan.digest() != self._plan.digest())
 
     def _replan(self, new_plan: MaskPlan, source: PieceSource, rebuild: bool, keep: bool = False,
-                drop: bool = False) -> None:
+                drop: bool = False, stays: bool = False) -> None:
         ctx, previous = self._ctx, None
         if rebuild:
             previous = Holding(self._model, self._pmap, self._plan)
-            self._detach()  # the old model's gradients are nobody's business from now on
-            if keep:  # the same units in a new world: only the owner groups are new (regroup)
-                self._model.zero_grad(set_to_none=True)  # views into the old synchroniser's buckets
-                self._synchronise(new_plan)
-            elif not (drop and self._drop_units(new_plan)):
-                model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition,
-                                          ctx.cfg.masker, ctx.comm.device)
-                self._install(model, pmap, new_plan)
+            if stays:  # the units, plan and rank its synchroniser was made for (regroup: a newcomer)
+                self._plan = new_plan
+            else:
+                self._detach()  # the old model's gradients are nobody's business from now on
+                if keep:  # the same units in a new world: only the owner groups are new (regroup)
+                    self._model.zero_grad(set_to_none=True)  # views into the old synchroniser's buckets
+                    self._synchronise(new_plan)
+                elif not (drop and self._drop_units(new_plan)):
+                    model, pmap = empty_local(ctx.adapter, ctx.spec, new_plan.owned[ctx.rank], self._partition,
+                                              ctx.cfg.masker, ctx.comm.device)
+                    self._install(model, pmap, new_plan)
         step = source.load(self, previous)  # collective: every rank takes its pieces from the source
         if previous is not None:
             with self._parallel.gathered(self._model):  # collective when sharded
