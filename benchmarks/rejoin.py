@@ -12,9 +12,9 @@ replacement and the members take it in at the boundary after step J. Each trial 
   the median step time at W after it (the pause is the difference);
 - the members' per-step check for a joiner: one ``TCPStore.check`` (timed here over 2,000 calls).
 
-    .venv/bin/python benchmarks/rejoin.py [--steps 60 --kill 10 --trials 3]
+    .venv/bin/python benchmarks/rejoin.py [--steps 60 --kill 10 --trials 3 --out rejoin.json]
 
-Writes ``rejoin.json`` under the results directory (``_results.py``) and prints a table.
+Writes ``rejoin.json`` (or ``--out``) under the results directory (``_results.py``) and prints a table.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def trial(kill: int, steps: int, tmp: Path, i: int) -> dict[str, Any]:
         row.update(join_step=j, pieces_sent=int(joined.group(2)), mib_sent=float(joined.group(3)),
                    seconds_join_reformation=float(joined.group(4)), seconds_step_j_to_j1=t[j + 1] - t[j],
                    median_step_at_w=statistics.median(after) if after else None)
+        if after:  # the members' pause: the join's boundary less one step, in seconds and in steps
+            row["pause_s"] = row["seconds_step_j_to_j1"] - row["median_step_at_w"]
+            row["pause_steps"] = row["pause_s"] / row["median_step_at_w"]
     return row
 
 
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill", type=int, default=10)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--out", default="rejoin.json")
     args = ap.parse_args()
     check = store_check_cost()
     rows = []
@@ -94,18 +98,19 @@ def main() -> None:
         for i in range(args.trials):
             rows.append(trial(args.kill, args.steps, Path(tmp_s), i))
             print(json.dumps(rows[-1]), flush=True)
-    out = results_dir() / "rejoin.json"
+    out = results_dir() / args.out
     out.write_text(json.dumps({"args": vars(args), "load": os.getloadavg(), "store_check_s": check, "rows": rows}, indent=1))
     print(f"\nper-step check for a joiner: {check * 1e6:.0f} us (one TCPStore.check, loopback)")
     print("| trial | s kill -> next step | join after step | join re-formation s | step J -> J+1 s | median step at W s "
-          "| pieces, MiB sent | world at end |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| members' pause s (steps) | pieces, MiB sent | world at end |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         if r["exit"] != 0 or "join_step" not in r:
             print(f"| {i} | exit {r['exit']}, no join |")
             continue
         print(f"| {i} | {r['seconds_kill_to_next_step']:.2f} | {r['join_step']} | {r['seconds_join_reformation']:.2f} | "
-              f"{r['seconds_step_j_to_j1']:.2f} | {r['median_step_at_w']:.2f} | {r['pieces_sent']}, {r['mib_sent']:.1f} | "
+              f"{r['seconds_step_j_to_j1']:.2f} | {r['median_step_at_w']:.2f} | {r['pause_s']:.2f} ({r['pause_steps']:.2f}) | "
+              f"{r['pieces_sent']}, {r['mib_sent']:.1f} | "
               f"{r['world_size_at_end']} |")
     print(f"wrote {out}")
 
