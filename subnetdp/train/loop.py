@@ -24,7 +24,7 @@ from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.owner_check import OwnerCheck
-from subnetdp.train.rejoin import JoinFailed, grow, join, join_due
+from subnetdp.train.rejoin import JoinFailed, grown, join, join_due
 from subnetdp.train.report import Counted, reporting, summarise
 from subnetdp.train.setup import freeze_lasting, frozen_while_training, set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
@@ -155,8 +155,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
                     if who:
                         _stop(ctx, ckpt, step, who)
                 if (joining := join_due(ctx, state, step, full)) is not None:  # one store check a step; collective when due
-                    counted = reporter.counted(ctx, step)
-                    raise WentOn(grow(ctx, state, ckpt, joining, full, reporter.said(counted, ckpt, state)), ckpt, counted, full)
+                    raise grown(ctx, state, ckpt, joining, full, reporter)  # collective: the newcomer's heal
             if first > steps:  # resumed from the final checkpoint (a crash after it): evaluate what it holds
                 evaluation = evaluate_run(ctx, state, steps)  # collective
                 hook.subnetdp_on_eval_end(context=ctx, state=state, step=steps, metrics=evaluation.metrics,

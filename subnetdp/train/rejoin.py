@@ -32,7 +32,7 @@ from subnetdp.core.errors import PeerLost, SubnetdpError
 from subnetdp.core.plan import MaskPlan
 from subnetdp.train import faults
 from subnetdp.train.checkpoints.unlogged import Unlogged
-from subnetdp.train.continuation import Continued, Handover, LiveReader, SurvivorsPieces, held_pieces
+from subnetdp.train.continuation import Continued, Handover, LiveReader, SurvivorsPieces, WentOn, held_pieces
 
 if TYPE_CHECKING:
     from subnetdp.train.checkpoints.checkpointer import Checkpointer
@@ -131,6 +131,14 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
               f"({source.reader.moved / 2**20:.2f} MiB of values, optimizer state and buffers), "
               f"in {seconds:.2f} s", flush=True)
     return Continued(new_ctx, step, position, old_world, m.members, seconds, source.gained, said=source.said)
+
+
+def grown(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: dict[str, Any], full: MaskPlan,
+          reporter: Any) -> WentOn:
+    """A member's join after the step just trained (:func:`grow`), as the loop raises it: the next world
+    goes on from it with what this world's ``reporter`` counted. Collective: every member and the newcomer."""
+    counted = reporter.counted(ctx, state.step)
+    return WentOn(grow(ctx, state, ckpt, decided, full, reporter.said(counted, ckpt, state)), ckpt, counted, full)
 
 
 def join(ctx: RunContext, state: "TrainState") -> Optional[Continued]:
