@@ -102,13 +102,15 @@ def _start_local_workers(cfg: DictConfig, settings: Settings, recipe: str | None
         raise ConfigError("launch.replace", launch.replace,
                           "replaces dead workers of a job whose survivors go on in-process, but launch.on_failure="
                           f"{launch.on_failure}", "set launch.on_failure=continue, or launch.replace=0")
-    upfront.check_launcher(cfg, pm.registries, "local", nproc)
     continuing = launch.on_failure == "continue"
-    if continuing and (launch.max_restarts or settings.comm.name != "gloo"):
-        raise ConfigError("launch.on_failure", "continue",
-                          f"restarts nobody and re-forms gloo groups, but launch.max_restarts="
-                          f"{launch.max_restarts} and comm.name={settings.comm.name}",
-                          "set launch.max_restarts=0 and comm.name=gloo, or launch.on_failure=restart")
+    if continuing and (launch.max_restarts or settings.comm.name != "gloo"):  # before the machine's checks: a
+        # config that cannot go on in-process is refused as such on any machine (nccl with or without GPUs)
+        wrong = [f"launch.max_restarts={launch.max_restarts}"] * bool(launch.max_restarts) + \
+                [f"comm.name={settings.comm.name}"] * (settings.comm.name != "gloo")
+        raise ConfigError("launch.on_failure", "continue", f"restarts nobody and re-forms gloo groups, but "
+                          f"{' and '.join(wrong)}", "set launch.max_restarts=0 and comm.name=gloo, or "
+                          "launch.on_failure=restart")
+    upfront.check_launcher(cfg, pm.registries, "local", nproc)
     place = None
     if launch.nodes > 1 or launch.node_rank:
         from subnetdp.launchers.supervisor import place_of

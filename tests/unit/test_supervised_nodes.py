@@ -32,6 +32,9 @@ NODES = ["launch.nproc=2", "launch.nodes=2", "run.name=job"]
      r"launch.replace=1: replaces dead workers on one node only"),
     (["launch.on_failure=continue", "launch.rdzv_endpoint=127.0.0.1:29500", "launch.max_restarts=1", "resume=auto"],
      r"launch.on_failure='continue': restarts nobody .*launch.max_restarts=1"),
+    # NCCL's re-formation is not built (it needs 2 GPUs or more): refused as a config, on any machine.
+    (["launch.on_failure=continue", "launch.rdzv_endpoint=127.0.0.1:29500", "comm.name=nccl"],
+     r"launch.on_failure='continue': restarts nobody and re-forms gloo groups.*comm.name=nccl"),
 ])
 def test_a_supervised_job_over_nodes_that_cannot_work_is_refused_in_one_line(extra, line, tmp_path):
     overrides = [*NODES, f"run.dir={tmp_path}", *extra]
