@@ -288,7 +288,10 @@ def load_pieces(reader: PieceReader, rank: int, partition: Partition, plan: Mask
                 mine[k] = torch.zeros(param.shape, dtype=param.dtype)
             _cut(mine[k], found).copy_(value)
         for k in kinds["scalar"]:
-            mine.setdefault(k, reader.get(key, f"{SCALAR}{k}/", rank=mine_only))  # the same on every piece of a tensor
+            if k not in mine:  # the same on every piece of a tensor
+                value = reader.get(key, f"{SCALAR}{k}/", rank=mine_only)
+                # The optimizer keeps it as it is: a view of a buffer it came in would keep the whole buffer alive.
+                mine[k] = value if lends is not None and lends(key, f"{SCALAR}{k}/") else value.clone()
     return {n: s for n, s in state.items() if s}, extra
 
 
