@@ -139,7 +139,9 @@ class LiveReader:
         self.names: dict[str, list[str]] = {}  # piece key -> its value's and its optimizer state's names
         for name, t in pieces.items():
             self._add(name, t)
-        self.own = frozenset(self.pieces)  # views of this rank's live tensors (the rest it receives)
+        # What load_pieces may take as it is: views of this rank's live tensors, and the optimizer state it
+        # receives whole in a message of its own (``exchange``: nothing else is in that buffer).
+        self.lendable = set(self.pieces)
         self.copies: dict[int, dict[str, torch.Tensor]] = {rank: dict(buffers)}
         self.moved = 0  # bytes every rank sent in the last exchange, the same figure on every rank
 
@@ -153,9 +155,9 @@ class LiveReader:
 
     def lends(self, key: str, prefix: str = "") -> bool:
         """Whether :func:`units.load_pieces` may take this tensor as it is rather than copy it: a view of
-        this rank's own optimizer state, which the re-plan drops (one it received is a view of the buffer
-        the message came in, which would keep the whole message alive)."""
-        return prefix + key in self.own
+        this rank's own optimizer state, which the re-plan drops, or of a message that holds only whole
+        tensors' optimizer state (any other received tensor is a view of a buffer it would keep alive)."""
+        return prefix + key in self.lendable
 
     def kinds(self, key: str, rank: Any = None) -> dict[str, set[str]]:
         found = {n.split("/", 1)[0] for n in self.names.get(key, ()) if "/" in n}
@@ -199,10 +201,16 @@ class LiveReader:
         gathered = comm.all_gather_object((sends, also))  # collective: what each source's pieces hold
         table: dict[str, Any] = {k: v for part, _ in gathered for k, v in part.items()}
         messages = _Messages(rank)
+        whole = {units.item_key(it) for it in global_items(partition, before)
+                 if tuple(it.shape) == tuple(partition.shapes[it.name])}
         for key, src, gainers in moving:
             for name, shape, dtype in table[key]:
+                # A whole tensor's optimizer state travels in a message of its own (lane 1), which the
+                # receiver's optimizer keeps as it is: no copy into new memory, no other bytes kept alive.
+                lane = int(name.startswith(units.OPTIM) and key in whole)
                 for dst in gainers:
-                    messages.add(src, dst, ("piece", name), shape, getattr(torch, dtype), lambda n=name: self.pieces[n])
+                    messages.add(src, dst, ("piece", name, lane), shape, getattr(torch, dtype),
+                                 lambda n=name: self.pieces[n], lane)
         for it in global_items(partition, before, buffers=True):
             holders = set(after.owners(it.unit)) if it.unit is not None else set(it.owners)
             owners = [r for r in it.owners if r not in absent]
@@ -216,6 +224,8 @@ class LiveReader:
         for tag, t in messages.swap(comm):  # collective: every source and every receiver of a piece or a copy
             if tag[0] == "piece":
                 self._add(tag[1], t)
+                if tag[2]:
+                    self.lendable.add(tag[1])
             else:
                 self.copies.setdefault(tag[1], {})[tag[2]] = t
         self.moved = messages.nbytes
@@ -234,31 +244,32 @@ def _span(shape: Any, dtype: torch.dtype) -> int:
 
 class _Messages:
     """The messages of one exchange, as every rank computes them alike (same plans, same table): per
-    (source, receiver) pair, its tensors in global order. This rank packs what it sends into one buffer
-    per receiver and receives one buffer per source; the received tensors are views of it."""
+    (source, receiver) pair and lane, its tensors in global order. This rank packs what it sends into one
+    buffer per receiver and lane and receives one buffer per source and lane; the received tensors are
+    views of it. Lane 1 holds whole tensors' optimizer state alone (its receiver keeps it as it is)."""
 
     def __init__(self, rank: int) -> None:
         self.rank, self.nbytes = rank, 0
-        self.out: dict[int, list[Any]] = {}  # receiver -> tensors to send (read when packed)
-        self.into: dict[int, list[tuple[Any, Any, torch.dtype, int]]] = {}  # source -> (tag, shape, dtype, offset)
-        self.size: dict[int, int] = {}  # source -> bytes of the buffer received from it
+        self.out: dict[tuple[int, int], list[Any]] = {}  # (receiver, lane) -> tensors to send (read when packed)
+        self.into: dict[tuple[int, int], list[tuple[Any, Any, torch.dtype, int]]] = {}  # (source, lane) -> (tag, shape, dtype, offset)
+        self.size: dict[tuple[int, int], int] = {}  # (source, lane) -> bytes of the buffer received from it
 
-    def add(self, src: int, dst: int, tag: Any, shape: Any, dtype: torch.dtype, read: Any) -> None:
+    def add(self, src: int, dst: int, tag: Any, shape: Any, dtype: torch.dtype, read: Any, lane: int = 0) -> None:
         span = _span(shape, dtype)
         self.nbytes += span
         if self.rank == src:
-            self.out.setdefault(dst, []).append(read)
+            self.out.setdefault((dst, lane), []).append(read)
         if self.rank == dst:
-            at = self.size.get(src, 0)
-            self.into.setdefault(src, []).append((tag, tuple(shape), dtype, at))
-            self.size[src] = at + -(-span // _ALIGN) * _ALIGN
+            at = self.size.get((src, lane), 0)
+            self.into.setdefault((src, lane), []).append((tag, tuple(shape), dtype, at))
+            self.size[(src, lane)] = at + -(-span // _ALIGN) * _ALIGN
 
     def swap(self, comm: Any) -> list[tuple[Any, torch.Tensor]]:
         """Send and receive every message (collective: every rank in a pair); the received tensors, in order."""
-        staged = {dst: _pack([read() for read in reads], comm.device) for dst, reads in self.out.items()}
-        buffers = {src: torch.empty(n, dtype=torch.uint8, device=comm.device) for src, n in self.size.items()}
+        staged = {to: _pack([read() for read in reads], comm.device) for to, reads in self.out.items()}
+        buffers = {by: torch.empty(n, dtype=torch.uint8, device=comm.device) for by, n in self.size.items()}
         if staged or buffers:
-            comm.send_recv(staged, buffers)  # collective: the ranks of every pair
+            comm.send_recv(staged, buffers)  # collective: the ranks of every pair; the lane is the message's tag
         staged.clear()  # a source's staging goes before anything else is built
         got = []
         for src, items in sorted(self.into.items()):

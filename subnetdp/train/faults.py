@@ -22,7 +22,9 @@ production run pays one ``os.environ.get`` per point. The names are part of what
 - :data:`NO_SPACE_IN_ASSEMBLY`: ENOSPC while building a recovered step (:func:`no_space`).
 - :data:`MODELS_ALIVE` (a directory): each worker writes, at the start of every segment of its loop
   (set-up, each continuation, a join), how many of the models its training state built are alive, and
-  how many it built (:func:`models_alive`): one alive, unless a re-plan left the one it replaced alive.
+  how many it built (:func:`models_alive`): one alive, unless a re-plan left the one it replaced alive;
+  and after each re-formation's re-plan, what its optimizer state holds beyond its tensors
+  (:func:`optimizer_storage`).
 - :data:`FLIP_BIT` (``STEP:RANK:UNIT[:BIT]``, comma-separated; UNIT a unit id or ``shared``; BIT 0 = the
   lowest, the default): flips that bit of the first value of the unit's first parameter piece on RANK
   after STEP, the silent corruption a faulty memory cell makes, for the owners' verification
@@ -172,6 +174,20 @@ def models_alive() -> None:
     if where:
         with open(Path(where) / f"models-{os.getpid()}.txt", "a") as f:
             f.write(f"{len(_built)} {_built_count}\n")
+
+
+def optimizer_storage(optimizer: torch.optim.Optimizer) -> None:
+    """Test-only: append ``EXTRA TENSORS`` to ``$MODELS_ALIVE/storage-PID.txt``: the bytes the optimizer's
+    state holds beyond its tensors' own (the distinct storages behind them, less the tensors), and how many
+    tensors. A state tensor taken as a view of a buffer that holds more (a heal's message) shows there;
+    one taken from a message of its own shows its alignment alone (under 64 bytes a tensor)."""
+    where = os.environ.get(MODELS_ALIVE)
+    if where:
+        tensors = {id(v): v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
+        extra = sum(storages.values()) - sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(Path(where) / f"storage-{os.getpid()}.txt", "a") as f:
+            f.write(f"{extra} {len(tensors)}\n")
 
 
 def no_space(step: int, what: Path) -> None:

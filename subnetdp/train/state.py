@@ -320,6 +320,7 @@ class TrainState(TrainStateView):
         stays = keep and self._synced == (new_plan.digest(), ctx.comm.rank)
         self._ctx, self._plan = ctx, before
         self._replan(new_plan, source, rebuild=True, keep=keep, drop=not keep, stays=stays)
+        faults.optimizer_storage(self._optimizer)  # test-only
 
     def replan(self, new_plan: MaskPlan, source: PieceSource) -> None:
         """Continue under ``new_plan``, with every piece's values from ``source``. Collective.

@@ -47,7 +47,12 @@ class WorkHandle(Handle):
                 self.comm._guarded("all_reduce", self.group, lambda: self.comm._finish(self.work, "all_reduce"))
 
 
-_ABANDON_TAG = 0x5DB  # a point-to-point tag nothing sends on (the heal's messages use tag 0)
+_ABANDON_TAG = 0x5DB  # a point-to-point tag nothing sends on (the heal's messages use tags 0 and 1)
+
+
+def _pair(key: Any) -> tuple[int, int]:
+    """A ``send_recv`` key as (peer, tag): a rank alone is its tag 0."""
+    return (int(key), 0) if not isinstance(key, tuple) else (int(key[0]), int(key[1]))
 
 
 class _WaitedAside:
@@ -405,16 +410,17 @@ class TorchDistCommunicator(Communicator):
             return
         self._guarded("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=pg))
 
-    def send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+    def send_recv(self, sends: Mapping[Any, torch.Tensor], recvs: Mapping[Any, torch.Tensor]) -> None:
         """Point to point over the world: ``sends[r]`` to rank ``r``, ``recvs[r]`` filled from rank ``r``, all
         posted before any is waited for (no order of the pairs can block); each receiver names the size its
-        sender sends. The heal of a re-formation (``train/continuation.py``) sends each piece to its gainers only."""
+        sender sends. A key ``(r, tag)`` instead of ``r`` tells apart several messages of one pair (tag 0 is
+        ``r``'s). The heal of a re-formation (``train/continuation.py``) sends each piece to its gainers only."""
         # collective: every rank named in a pair (its sender and its receiver) reaches this.
         pg = self._pg(None)  # the world's own methods (world ranks), as after a re-formation
         for tensor in sends.values():
             self.bytes.add(self.world, tensor.numel() * tensor.element_size())  # what this rank hands over
-        works = [self._guarded("send", None, lambda t=t, d=d: pg.send([t], d, 0)) for d, t in sends.items()]
-        works += [self._guarded("recv", None, lambda t=t, r=r: pg.recv([t], r, 0)) for r, t in recvs.items()]
+        works = [self._guarded("send", None, lambda t=t, d=d: pg.send([t], *_pair(d))) for d, t in sends.items()]
+        works += [self._guarded("recv", None, lambda t=t, r=r: pg.recv([t], *_pair(r))) for r, t in recvs.items()]
         if self._job_store is None:  # a dead peer of a pair closes the connection, a stalled one hits the timeout
             for work in works:
                 self._guarded("send_recv", None, work.wait)
@@ -426,7 +432,8 @@ class TorchDistCommunicator(Communicator):
         try:
             self._guarded("send_recv", None, lambda: self._finish(waited, "send_recv"))
         finally:
-            waited.abandon(pg, [*recvs, *sends])  # nothing left to wait for when it returned or failed by itself
+            # nothing left to wait for when it returned or failed by itself
+            waited.abandon(pg, sorted({_pair(k)[0] for k in [*recvs, *sends]}))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._watched:
