@@ -72,7 +72,7 @@ class TrainConfig:
     log_every: int = doc('steps between log lines (and world-mean losses)', 10, lo=1)
     # Steps count from 1; one past train.steps measures the last step.
     memory_step: int = doc("the step whose tensor memory (and FSDP's bytes) is measured (steps count from 1; "
-                           "beyond train.steps: the last)", 2, lo=1, fix="2 is the default (the first step warms up)")
+                           "beyond train.steps: the last; a world re-formed in-process counts from its first)", 2, lo=1, fix="2 is the default (the first step warms up)")
     progress: Optional[bool] = doc("progress bar on rank 0: true, false, or null (the default): only when its output "
                                    "is a terminal (a pipe, a file or a batch job gets plain log lines); log lines "
                                    "are printed either way", None)
