@@ -369,6 +369,16 @@ def _collect_again() -> None:
         gc.enable()
 
 
+def whole_lines() -> None:
+    """Each line of this process's console reaches it in one write. Unbuffered (``PYTHONUNBUFFERED``,
+    ``-u``), ``print`` writes its text and its newline apart, and the lines of the workers and
+    supervisors sharing one console interleave mid-line (measured: one survivor's line ran on into
+    another's). Line-buffered, a line is one write, which a pipe keeps whole."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def program(argv: Sequence[str] | None = None) -> int:
     """The ``subnetdp`` program (and ``python -m subnetdp``): :func:`main`, in a process that ends with it.
 
@@ -381,6 +391,7 @@ def program(argv: Sequence[str] | None = None) -> int:
     :func:`main`, which tests call in their own long-lived process.
     """
     global _COLLECTOR_PAUSED
+    whole_lines()
     if list(sys.argv[1:] if argv is None else argv)[:1] == ["train"] and gc.isenabled():
         gc.disable()
         _COLLECTOR_PAUSED = True

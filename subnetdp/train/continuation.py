@@ -361,7 +361,8 @@ class _CannotGoOn(Exception):
     """The survivors agreed, but cannot go on in-process (the message says why): today's path."""
 
 
-def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, ...]) -> tuple[Any, ...]:
+def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, ...],
+            plan: MaskPlan) -> tuple[Any, ...]:
     """Every network part of going on, before the state changes: the agreement and the world
     (``comm.regroup``), the owner groups of the new plan, and the heal's messages. A death amid them
     leaves this survivor's state as it was at ``last``, so the survivors can agree again without the
@@ -379,8 +380,8 @@ def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, 
                           "(a death inside the step's last collective)")
     try:
         ranks = [origin.index(i) for i in m.members]  # the members as ranks of the plan as it stands
-        before = state.plan.without(ranks)
-        after = state.plan.without(ranks, cfg.masker.min_owners)
+        before = plan.without(ranks)
+        after = plan.without(ranks, cfg.masker.min_owners)
     except (SubnetdpError, ValueError) as e:
         raise _CannotGoOn(str(e)) from None
     # collective: the survivors prove they stand on the same plan. They can differ only when a death ended
@@ -400,9 +401,11 @@ def _reform(ctx: RunContext, state: "TrainState", last: int, origin: tuple[int, 
     return m, before, after, source
 
 
-def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: PeerLost) -> Continued | PeerLost:
+def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: PeerLost,
+          plan: Optional[MaskPlan] = None) -> Continued | PeerLost:
     """Re-form the world without the lost ranks and re-plan the state in it, or (one line says why) the
-    error to take today's path with. Collective among the survivors.
+    error to take today's path with. Collective among the survivors. ``plan``: the state's plan in the
+    communicator's numbering, when they differ (a failed join's world of W: the newcomer's slot holds nothing).
 
     Another death amid the re-formation (the agreement, the world, the owner groups, the heal's
     broadcasts) finds the state unchanged (:func:`_reform` changes nothing): the survivors agree again,
@@ -424,7 +427,7 @@ def go_on(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", lost: Peer
     # Each failed re-formation leaves at least the dead out of the next: at most one try per member.
     for _ in range(old_world - 1):
         try:
-            m, before, after, source = _reform(ctx, state, last, origin)
+            m, before, after, source = _reform(ctx, state, last, origin, plan or state.plan)
             break
         except _CannotGoOn as e:
             print(f"subnetdp: rank {old_rank}: not going on in-process: {e}", flush=True)

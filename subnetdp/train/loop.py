@@ -24,7 +24,7 @@ from subnetdp.train.failures import FailureLog, say_going_on
 from subnetdp.train.evaluation import AlignmentProbe, Evaluation, evaluate_run
 from subnetdp.train.meter import Meter
 from subnetdp.train.owner_check import OwnerCheck
-from subnetdp.train.rejoin import JoinFailed, grown, join, join_due
+from subnetdp.train.rejoin import grown, join, join_due
 from subnetdp.train.report import Counted, reporting, summarise
 from subnetdp.train.setup import freeze_lasting, frozen_while_training, set_threads, setup
 from subnetdp.train.state import PeerPieces, TrainState
@@ -169,7 +169,7 @@ def _train(ctx: RunContext, state: TrainState, stopper: StopRequest | None, went
         except PeerLost as lost:
             # collective among the survivors: under the supervisor they re-form the world and go on (again
             # without a second dead, when one dies amid the re-formation); else the error to leave with.
-            outcome = lost if isinstance(lost, JoinFailed) else go_on(ctx, state, ckpt, lost)  # a failed join: restart path
+            outcome = go_on(ctx, state, ckpt, lost, getattr(lost, "plan", None))  # a failed join's: in the grown numbering
             if not isinstance(outcome, PeerLost):
                 raise WentOn(outcome, ckpt, reporter.counted(ctx, outcome.step), full) from None
             if stopper is not None:

@@ -81,7 +81,13 @@ def join_due(ctx: RunContext, state: "TrainState", step: int, full: MaskPlan) ->
 
 class JoinFailed(PeerLost):
     """The world could not grow (the newcomer or a member was lost during the join): the members' state
-    is as it was at the join step, and they take today's path (their files; a restart resumes from them)."""
+    is as it was at the join step, and they go on in-process without the newcomer as after a death
+    (``continuation.go_on``), or take the restart path when they cannot. ``plan``: the state's plan in the
+    communicator's numbering now (the world of W, the newcomer's slot holding nothing, once it formed)."""
+
+    def __init__(self, message: str, lost: Any, plan: MaskPlan) -> None:
+        super().__init__(message, lost)
+        self.plan = plan
 
 
 def _meet(ctx: RunContext, source: SurvivorsPieces, full: MaskPlan, state: "TrainState", step: int) -> None:
@@ -121,8 +127,10 @@ def grow(ctx: RunContext, state: "TrainState", ckpt: "Checkpointer", decided: di
     except (PeerLost, SubnetdpError, RuntimeError) as e:
         lost = e.lost if isinstance(e, PeerLost) else []
         print(f"subnetdp: rank {ctx.rank}: the replacement for rank {slot} did not join after step {step} ({e}); "
-              "the members keep their state of that step and take the restart path", flush=True)
-        raise JoinFailed(f"a join after step {step} failed: {e}", lost) from e
+              "the members keep their state of that step and go on without it", flush=True)
+        # The world of W formed (the communicator answers its numbering) or it did not (the old one's).
+        plan = before if comm.world_size == old_world + 1 else state.plan
+        raise JoinFailed(f"a join after step {step} failed: {e}", lost, plan) from e
     state.regroup(new_ctx, before, full, source)  # no network left: the groups are made, the pieces here
     seconds = time.monotonic() - start
     if m.rank == 0:

@@ -109,6 +109,26 @@ def test_a_replacement_joins_healed_and_the_world_grows_back(tmp_path):
     assert not differ, differ[:5]  # values, optimizer state (AdamW's moments and step) and buffers
 
 
+def test_a_replacement_lost_amid_its_join_leaves_the_members_to_go_on_in_process(tmp_path):
+    # As above, and the replacement is SIGKILLed amid the join after step 5 (the world of W and its owner
+    # groups formed, before the heal's messages). The members' state is still that of step 5 at W-1:
+    # they go on in-process without it, as after a death, and nobody restarts.
+    job = ["train.steps=8", "optim.name=adamw", "masker.min_owners=2", "recovery.verify_every=1"]
+    proc = _run(tmp_path, "lost-join", *job, "launch.nproc=4", "launch.on_failure=continue", "launch.replace=1",
+                env={faults.KILL_IN_SYNC: "3", faults.AWAIT_JOIN: "4", faults.KILL_IN_JOIN: "5"})
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-4000:]
+    run = tmp_path / "lost-join"
+    assert faults.fault_marker(run, faults.KILL_IN_JOIN, 5, 1).exists()  # the replacement was killed amid the join
+    assert "the replacement for rank 1 did not join after step 5" in console, console[-4000:]
+    assert "go on in-process from step 5" in console, console[-4000:]  # the second going on: after the failed join
+    assert "resume=auto" not in console and "stopped after step" not in console, console[-4000:]  # no restart path
+    assert "owners disagree" not in console, console[-4000:]  # every step's digests agreed, before and after
+    steps = _steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 8, steps  # no step logged twice, the run ended
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 3
+
+
 class _FreezeSeen:
     def __init__(self) -> None:
         self.counts: list[int] = []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import re
+import sys
 
 from subnetdp.cli import main, recipe_summary
 from subnetdp.core.config import config_root
@@ -121,3 +123,32 @@ def test_the_program_ends_frozen_out_of_the_collector_and_main_in_a_test_process
     assert proc.returncode == 0 and "masker:" in proc.stdout, proc.stderr[-2000:]
     enabled, _, before, _, after = proc.stdout.split("enabled ")[-1].split()
     assert (enabled, before) == ("True", "0") and int(after) > 0, proc.stdout[-300:]
+
+
+class _CountedWrites(io.RawIOBase):
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.writes.append(bytes(b))
+        return len(b)
+
+
+def test_an_unbuffered_console_gets_each_line_in_one_write(monkeypatch):
+    # PYTHONUNBUFFERED (as on these machines): print writes a line's text and its newline apart, and the
+    # lines of workers sharing a console ran into each other. whole_lines makes a line one write.
+    from subnetdp.cli import whole_lines
+
+    for fix in (False, True):
+        raw = _CountedWrites()
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, write_through=True))
+        if fix:
+            whole_lines()
+        print("subnetdp: rank 0: another worker was lost", flush=True)
+        print("subnetdp: rank 2: another worker was lost", flush=True)
+        assert raw.writes == ([b"subnetdp: rank 0: another worker was lost\n", b"subnetdp: rank 2: another worker was lost\n"]
+                              if fix else [b"subnetdp: rank 0: another worker was lost", b"\n",
+                                           b"subnetdp: rank 2: another worker was lost", b"\n"]), raw.writes

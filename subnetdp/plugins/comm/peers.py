@@ -61,6 +61,11 @@ def dead_on_this_host(store: Any, members: Sequence[int], wait_s: float = 0.0) -
         except Exception:
             pass
         try:
+            # Looked at before it is read: a store's get waits for a missing key (comm.timeout_s), and a
+            # replacement started after a death registered none.
+            if not store.check([f"{HOST_KEY}/{r}"]):
+                elsewhere.append(r)
+                continue
             host, pid = store.get(f"{HOST_KEY}/{r}").decode().split()
         except Exception:  # not registered (an older peer) or the store is gone: unknown
             elsewhere.append(r)
