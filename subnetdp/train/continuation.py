@@ -194,20 +194,19 @@ class LiveReader:
                 continue
             key, src = units.item_key(it), min(owners, key=lambda r: (load.get(r, 0), r))
             load[src] = load.get(src, 0) + _span(it.shape, partition.dtypes[it.name]) * len(gainers)
-            moving.append((key, src, sorted(gainers)))
+            # Whole: the receiver keeps its optimizer state as it arrives (lane 1 of the messages, below).
+            moving.append((key, src, sorted(gainers), tuple(it.shape) == tuple(partition.shapes[it.name])))
             if rank == src:
                 sends[key] = [(n, tuple(self.pieces[n].shape), str(self.pieces[n].dtype).removeprefix("torch."))
                               for n in self.names.get(key, ())]
         gathered = comm.all_gather_object((sends, also))  # collective: what each source's pieces hold
         table: dict[str, Any] = {k: v for part, _ in gathered for k, v in part.items()}
         messages = _Messages(rank)
-        whole = {units.item_key(it) for it in global_items(partition, before)
-                 if tuple(it.shape) == tuple(partition.shapes[it.name])}
-        for key, src, gainers in moving:
+        for key, src, gainers, whole in moving:
             for name, shape, dtype in table[key]:
                 # A whole tensor's optimizer state travels in a message of its own (lane 1), which the
                 # receiver's optimizer keeps as it is: no copy into new memory, no other bytes kept alive.
-                lane = int(name.startswith(units.OPTIM) and key in whole)
+                lane = int(whole and name.startswith(units.OPTIM))
                 for dst in gainers:
                     messages.add(src, dst, ("piece", name, lane), shape, getattr(torch, dtype),
                                  lambda n=name: self.pieces[n], lane)

@@ -45,7 +45,8 @@ class Counted:
 
     ``consumed``: (step, samples or tokens seen, FLOPs) at the last finished step; ``groups``: payload
     bytes and steps by owner group in worker ids (:meth:`Meter.worker_group_bytes`); ``world_size``: the
-    world before's; ``peaks``: the tensor peaks this rank measured, by what it held (``Meter.measured``). (Each rank's losses no row holds yet are its checkpointer's, which the next adopts.)
+    world before's; ``peaks``: the tensor peaks this rank measured, by what it held (``Meter.measured``).
+    (Each rank's losses no row holds yet are its checkpointer's, which the next adopts.)
     """
 
     consumed: tuple[int, float, float] | None = None
@@ -114,7 +115,7 @@ class Reporter:
         if peak and peak != self.logged_peak:  # at the step that measured it (CPU), or when the CUDA peak grows
             self.log.scalars(step, {"rank/peak_memory_bytes": peak}, per_rank=True)
             self.logged_peak = peak
-        if step % self.log_every == 0 or step == self.steps:
+        if self._logs(step):
             self._log_step(context, state, step, metrics.get("grad_norm"))  # collective: the world's mean loss
             self.losses = []
         self._write_held()
@@ -182,7 +183,7 @@ class Reporter:
             return
         step, ranks = carried.step, carried.ranks
         mark = {"ranks": ranks, "world_size": carried.world_size, "steps": sorted({s for _, s, _ in carried.entries})}
-        if not (step % self.log_every == 0 or step == self.steps):
+        if not self._logs(step):
             self.losses.extend(carried.losses)  # the next log row's all-reduce adds them to the world's
             self.recovered = mark  # ...which says that these steps' mean lacks the dead ranks' losses
             return
@@ -212,9 +213,14 @@ class Reporter:
     def said(self, was: Counted, ckpt: "Checkpointer", state: "TrainState") -> tuple[Any, list[float]]:
         """What this rank tells every rank of the next world (:meth:`take_over`): what the world before had
         consumed, and, when the step the world re-forms after is a log step, its losses no row holds."""
-        step = state.step
-        owed = ckpt.unlogged.upto(step, state.progress) if step % self.log_every == 0 or step == self.steps else {}
-        return was.consumed, list(owed.values())
+        return self._said(was, ckpt.unlogged.upto(state.step, state.progress), self._logs(state.step))
+
+    @staticmethod
+    def _said(was: Counted, owed: dict[int, float], log_step: bool) -> tuple[Any, list[float]]:
+        return was.consumed, list(owed.values()) if log_step else []
+
+    def _logs(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.steps
 
     def take_over(self, ctx: RunContext, state: "TrainState", was: Counted, ckpt: "Checkpointer",
                   said: list[Any] | None = None) -> None:
@@ -230,11 +236,11 @@ class Reporter:
         step, comm = state.step, ctx.comm
         self.meter.take_over(was.groups)
         owed = ckpt.unlogged.upto(step, state.progress)
-        log_step = step % self.log_every == 0 or step == self.steps
+        log_step = self._logs(step)
         theirs = said
         if theirs is None:
             with comm.bytes.phase("log"):
-                theirs = comm.all_gather_object(self.said(was, ckpt, state))  # collective: every rank of the new world
+                theirs = comm.all_gather_object(self._said(was, owed, log_step))  # collective: every rank of the new world
         counts = next((c for c, _ in theirs if c is not None), None)
         if counts is not None:
             self.base = (int(counts[0]), float(counts[1]), float(counts[2]))

@@ -308,8 +308,8 @@ class TrainState(TrainStateView):
         the plan to go on with. The synchroniser is rebuilt for the new world (its owner groups are new).
         A rank whose model already holds exactly its units under ``new_plan`` (a survivor that gains and
         loses none; a newcomer, built for its units at set-up) keeps its model, optimizer and schedule,
-        and the source loads into them in place (a newcomer keeps its synchroniser too). A rank that only loses units (a member at a join, which
-        drops the units it gained at W-1) drops them from its model in place where the adapter can
+        and the source loads into them in place (a newcomer keeps its synchroniser too). A rank that only
+        loses units (a member at a join, which drops the units it gained at W-1) drops them in place where the adapter can
         (``ModelAdapter.drop_units``), with a new optimizer and schedule over the tensors it keeps. Any
         other gets a new model, optimizer and schedule, as any re-plan does. ``source`` fills them (it
         fetched every piece before: nothing reads the model as it was). A tensor left unfilled is an error.
